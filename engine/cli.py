@@ -1,0 +1,76 @@
+"""The `pdserve` command. For now: `pdserve chat`, an interactive or one-shot chat
+through the offline engine (the server commands come with the gateway and deploy)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chat = sub.add_parser("chat", help="chat with a model in this process (offline engine)")
+    chat.add_argument("--model", default="smollm2",
+                      help="'smollm2' (default), a Hugging Face checkpoint folder, or a .gguf file")
+    chat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    chat.add_argument("--prompt", "-p", help="ask one question and exit (default: interactive)")
+    chat.add_argument("--system", help="system prompt (default: the model's own)")
+    chat.add_argument("--max-tokens", type=int, default=256)
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    chat.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return _chat(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import SamplingParamsError
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    except SamplingParamsError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.prompt is None
+    if interactive:
+        print("type a message, an empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                question = input("> ").strip()
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
+                return 0
+            if not question:
+                return 0
+        else:
+            question = args.prompt
+        history.append({"role": "user", "content": question})
+        reply = []
+        try:
+            for piece in llm.stream(llm.chat_prompt_ids(history), params):
+                reply.append(piece)
+                print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            pass
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if not interactive:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Model and engine configuration: one small frozen dataclass per concern.
+
+`ModelConfig` is what the model needs from a checkpoint's config.json; `CacheConfig`
+sizes the paged KV pool; `SchedulerConfig` bounds one engine step. Each is validated on
+construction so a bad value fails at start-up with a message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for something this engine cannot run (names what and why)."""
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one Llama-family checkpoint (Llama, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    sliding_window: int | None = None
+    name: str = ""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence served. With a sliding window, full attention is exact only up to it."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype.itemsize
+
+    def num_parameters(self) -> int:
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        norms = 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        file = path / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a model folder needs a Hugging Face config.json")
+        return cls.from_dict(json.loads(file.read_text()), name=path.name)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModelError(
+                f"architecture {archs or cfg.get('model_type')!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = None
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+            sliding = int(cfg["sliding_window"])
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope=_rope_config(cfg),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=sliding,
+            name=name,
+        )
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older
+    # checkpoints have top-level `rope_theta` and an optional `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    return RopeConfig(theta=float(theta), type=rope_type, **fields)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from memory_gib
+    memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size}: must be a power of two")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks={self.num_blocks}: must be >= 1")
+        if self.memory_gib <= 0:
+            raise ValueError(f"memory_gib={self.memory_gib}: must be > 0")
+
+    def resolve_num_blocks(self, bytes_per_token: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        return max(1, int(self.memory_gib * 2**30) // (bytes_per_token * self.block_size))
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Bounds of one engine step: a token budget, a sequence cap and the context limit."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    max_waiting: int | None = None  # None: unbounded queue
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    model_path: Path
+    dtype: torch.dtype
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"

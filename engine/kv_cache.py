@@ -1,0 +1,35 @@
+"""The paged KV pool of one worker: one tensor, block-major.
+
+Layout: `[num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]`.
+Block-major keeps every block's K and V for all layers in one contiguous region
+(num_layers * 2 * block_size * kv_heads * head_dim * itemsize bytes: 360 KiB for
+SmolLM2 in bf16), which is what a KV transfer wants: NIXL moves regions of >= 16 KiB near
+memcpy speed, while a layer-major layout would cut each block into 6 KiB pieces.
+Attention reads per-layer strided views `[num_blocks, block_size, kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: str = "cpu"):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        self.pool = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                dtype=dtype, device=device)
+        # Per layer: (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim].
+        self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(cfg.num_layers)]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pool[0].numel() * self.pool.element_size()
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()

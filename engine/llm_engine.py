@@ -1,0 +1,110 @@
+"""The in-process engine: scheduler + model runner, one `step()` at a time.
+
+    out = scheduler.schedule()          # which tokens of which requests, which blocks
+    result = runner.execute(out)        # tensors in, sampled token ids out
+    scheduler.update_from_output(...)   # progress, stops, frees
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.kv_cache import KVCache
+from engine.kv_cache_manager import KVCacheManager
+from engine.model import CausalLM
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_tokens: int
+    num_seqs: int
+    seconds: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        t0 = time.perf_counter()
+        model = CausalLM(config.model, config.dtype, config.device)
+        load_weights(model, config.model_path)
+        num_blocks = config.cache.resolve_num_blocks(config.model.kv_bytes_per_token(config.dtype))
+        self.kv_cache = KVCache(config.model, num_blocks, config.cache.block_size, config.dtype, config.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        eos = frozenset(config.model.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
+        self.runner = ModelRunner(model, self.kv_cache, config.device)
+        self.model = model
+        self.last_step: StepStats | None = None
+        log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
+                 time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
+                 config.cache.block_size, self.kv_cache.total_bytes / 2**20)
+
+    @classmethod
+    def from_folder(
+        cls,
+        path,
+        dtype: str | torch.dtype = "bfloat16",
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> LLMEngine:
+        model_cfg = ModelConfig.from_pretrained(path)
+        if eos_token_ids:
+            model_cfg = _with_eos(model_cfg, eos_token_ids)
+        sched = scheduler or SchedulerConfig(max_model_len=model_cfg.max_model_len)
+        if sched.max_model_len > model_cfg.max_model_len:
+            raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
+                             f"limit of {model_cfg.max_model_len}")
+        return cls(EngineConfig(model_cfg, path, parse_dtype(dtype), cache or CacheConfig(), sched))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, priority))
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns a delta (new tokens) per request that produced one."""
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        seqs = {c.seq.request_id: c.seq for c in out.chunks}
+        deltas = []
+        for upd in self.scheduler.update_from_output(out, result.token_ids):
+            seq = seqs[upd.request_id]
+            lp = result.logprobs.get(upd.request_id)
+            deltas.append(RequestOutput(
+                request_id=upd.request_id,
+                prompt_token_ids=seq.prompt_token_ids,
+                token_ids=upd.new_token_ids,
+                finish_reason=upd.finish_reason,
+                logprobs=[lp] if lp is not None else None,
+                num_cached_tokens=seq.num_cached_tokens,
+            ))
+        self.last_step = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
+        return deltas
+
+
+def _with_eos(cfg: ModelConfig, extra: frozenset[int]) -> ModelConfig:
+    from dataclasses import replace
+
+    return replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | extra)))

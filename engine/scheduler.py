@@ -1,0 +1,279 @@
+"""Iteration-level continuous batching with chunked prefill, priorities and preemption.
+
+Each `schedule()` fills one step: running sequences first (decodes, then unfinished
+prefill chunks), then waiting ones by (priority, arrival), within a token budget, a
+sequence cap and the KV blocks the pool can give. A long prompt is cut into chunks of at
+most the remaining budget, so decodes run every step beside it. When blocks run out a
+running sequence is preempted by recompute: the least important (highest priority value,
+newest) gives its blocks back and returns to the waiting queue with its output kept.
+
+No tensors here: the output is ids, counts and block ids; the runner builds tensors.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long for the context or the pool); names why."""
+
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id}: {reason}")
+        self.request_id = request_id
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller should shed or retry elsewhere."""
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_new` tokens of `seq` starting at position `start`, to compute this step."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+    block_table: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start:self.start + self.num_new]
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def sample(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        return self.context_len == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did to one sequence: tokens appended and, if it ended, why."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int]):
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, Sequence] = {}
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
+        self._num_waiting = 0
+        self._arrivals = itertools.count()
+        self.num_preemptions = 0
+
+    # -- intake ---------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request, or raise RequestRejected / QueueFull at once."""
+        if seq.request_id in self.requests:
+            raise RequestRejected(seq.request_id, "duplicate request id")
+        if not seq.prompt_token_ids:
+            raise RequestRejected(seq.request_id, "empty prompt")
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestRejected(
+                seq.request_id,
+                f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {total} "
+                f"exceeds the context limit of {self.config.max_model_len}",
+            )
+        need = -(-total // self.kv.block_size)
+        if need > self.kv.num_total_blocks:
+            raise RequestRejected(
+                seq.request_id,
+                f"needs {need} KV blocks but the pool has only {self.kv.num_total_blocks}",
+            )
+        bound = self.config.max_waiting
+        if bound is not None and self._num_waiting >= bound:
+            raise QueueFull(f"request {seq.request_id}: waiting queue is full ({bound})")
+        seq.arrival = next(self._arrivals)
+        self.requests[seq.request_id] = seq
+        self._push_waiting(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request wherever it is and give back its blocks; None if unknown."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is skipped lazily
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: (s.priority, s.arrival))
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            table, refund = self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out)
+            budget += refund
+            if table is None:
+                continue
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, table))
+            budget -= num_new
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+        # Decodes first, then prefill chunks: the runner batches single-token queries together.
+        out.chunks.sort(key=lambda c: c.num_new > 1)
+        return out
+
+    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int,
+                             out: SchedulerOutput) -> tuple[list[int] | None, int]:
+        """Blocks for `seq`, preempting the least important running sequences until they fit.
+
+        Returns the block table (None if `seq` itself was preempted) and the token budget
+        given back by victims that had already been scheduled in this step.
+        """
+        refund = 0
+        while True:
+            table = self.kv.allocate_slots(seq.request_id, num_tokens)
+            if table is not None:
+                return table, refund
+            victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+            for i, chunk in enumerate(out.chunks):
+                if chunk.seq is victim:
+                    refund += chunk.num_new
+                    del out.chunks[i]
+                    break
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is seq:
+                return None, refund
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            cached_blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            table = self.kv.allocate_slots(seq.request_id, num_cached + num_new, cached_blocks)
+            if table is None:
+                break  # wait for blocks; admission keeps priority order
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_cached, num_new, table))
+            budget -= num_new
+        return budget
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SequenceUpdate]:
+        """Advance progress counters, append sampled tokens, finish and free what ended."""
+        updates = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens += chunk.num_new
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            if not chunk.sample:
+                continue
+            token = sampled[seq.request_id]
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            updates.append(SequenceUpdate(seq.request_id, [token], reason))
+        return updates
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("request %s: preempted (recompute), %d tokens", seq.request_id, seq.num_tokens)
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.request_id)
+        del self.requests[seq.request_id]
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
+            heapq.heappop(self._waiting)  # drop entries of aborted requests
+        return self._waiting[0][2] if self._waiting else None
+
+    # -- introspection --------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def waiting_tokens(self) -> int:
+        return sum(s.num_tokens - s.num_computed_tokens for _, _, s in self._waiting
+                   if s.status is SequenceStatus.WAITING)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)

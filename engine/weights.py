@@ -1,0 +1,79 @@
+"""Load a Hugging Face safetensors checkpoint into `CausalLM`, fusing q|k|v and gate|up."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.model import CausalLM
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Checkpoint name inside a layer -> (our parameter, shard index within the fused tensor).
+_FUSED = {
+    "self_attn.q_proj": ("qkv_proj", 0),
+    "self_attn.k_proj": ("qkv_proj", 1),
+    "self_attn.v_proj": ("qkv_proj", 2),
+    "mlp.gate_proj": ("gate_up_proj", 0),
+    "mlp.up_proj": ("gate_up_proj", 1),
+}
+_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not fit the model (missing, misshapen)."""
+
+
+def load_weights(model: CausalLM, folder: str | Path) -> None:
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {folder}")
+    params = dict(model.named_parameters())
+    fused: dict[str, dict[int, torch.Tensor]] = {}
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target, shard = _map_name(name)
+                if target is None or (target == "lm_head.weight" and model.lm_head is None):
+                    continue  # tied embeddings: the head is the embedding
+                if target not in params:
+                    raise CheckpointError(f"{file.name}: tensor {name} has no place in the model")
+                if shard is None:
+                    _copy(params[target], f.get_tensor(name), name)
+                    loaded.add(target)
+                else:
+                    fused.setdefault(target, {})[shard] = f.get_tensor(name)
+    for target, shards in fused.items():
+        want = 3 if "qkv" in target else 2
+        if len(shards) != want:
+            raise CheckpointError(f"{target}: found {len(shards)} of {want} projections")
+        _copy(params[target], torch.cat([shards[i] for i in range(want)], dim=0), target)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _map_name(name: str) -> tuple[str | None, int | None]:
+    """Our parameter name (and fused shard) for a checkpoint tensor; None to skip it."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None, None
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return name.removeprefix("model."), None
+    layer, rest = m.groups()
+    module, _, kind = rest.rpartition(".")
+    if module in _FUSED:
+        target, shard = _FUSED[module]
+        return f"layers.{layer}.{target}.{kind}", shard
+    return f"layers.{layer}.{_RENAMED.get(module, module)}.{kind}", None
+
+
+def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if param.shape != value.shape:
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+    param.copy_(value)

@@ -1,0 +1,53 @@
+"""Tiny random-weight Llama-family checkpoints written with transformers' save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+
+KINDS = {
+    # name: (config class name, overrides)
+    "llama-gqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha-tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4,
+                                            tie_word_embeddings=True)),
+    "llama3-rope": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 500000.0})),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4096)),
+    "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0) -> Path:
+    import transformers
+
+    cls_name, overrides = KINDS[kind]
+    config_cls = getattr(transformers, cls_name)
+    cfg = config_cls(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # larger-than-default weights so logits are far from uniform
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.15)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder
+
+
+def load_hf(folder: Path, dtype=torch.float64):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.eval()
