@@ -30,16 +30,14 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [num_tokens] offset within the block
     num_decodes: int  # the first num_decodes tokens are single-token queries
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = valid
     prefills: list[PrefillSpan]
 
 
 def build_decode_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """Additive mask: 0 for key positions < context_len, -inf beyond (padding blocks)."""
+    """True for key positions < context_len, False beyond (the padding of shorter tables)."""
     valid = torch.arange(width)[None, :] < context_lens[:, None]
-    mask = torch.zeros(valid.shape, dtype=torch.float32)
-    mask.masked_fill_(~valid, float("-inf"))
-    return mask[:, None, None, :]
+    return valid[:, None, None, :]
 
 
 def paged_attention(

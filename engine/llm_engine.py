@@ -40,6 +40,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         model = CausalLM(config.model, config.dtype, config.device)
         load_weights(model, config.model_path)
+        model.prepare()
         num_blocks = config.cache.resolve_num_blocks(config.model.kv_bytes_per_token(config.dtype))
         self.kv_cache = KVCache(config.model, num_blocks, config.cache.block_size, config.dtype, config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)

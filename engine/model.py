@@ -11,9 +11,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
+import kernels.linear
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.rotary import RotaryEmbedding
+from engine.rotary import RotaryEmbedding, apply_rotary
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight can be packed once for the CPU matmul library (kernels.linear)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = kernels.linear.pack_weight(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear.linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -36,18 +49,18 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.q_size, h, bias=cfg.o_bias)
+        self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         self.scale = cfg.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens]
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -60,7 +73,7 @@ class DecoderLayer(nn.Module):
         q = q.view(n, cfg.num_heads, cfg.head_dim)
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *cos_sin)
         attn = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.reshape(n, cfg.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
@@ -76,11 +89,12 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, dtype, device)
         self.ops = kernels.get_ops(device)
+        self._head_packed: torch.Tensor | None = None
 
     def forward(
         self,
@@ -90,10 +104,19 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, k_cache, v_cache, meta, self.ops)
+            x = layer(x, positions, cos_sin, k_cache, v_cache, meta, self.ops)
         return self.norm(x)
+
+    def prepare(self) -> None:
+        """After the weights are loaded: pack matmul weights for the CPU kernels."""
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self._head_packed = kernels.linear.pack_weight(head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return kernels.linear.linear(hidden, weight, None, self._head_packed).float()
