@@ -23,15 +23,46 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token queries [start, end) of the flat batch, padded to a common context width."""
+
+    start: int
+    end: int
+    block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = valid key position
+
+
+@dataclass
 class AttentionMetadata:
     """Everything attention needs for one step; built once, shared by every layer."""
 
     slot_blocks: torch.Tensor  # [num_tokens] block id per new token
     slot_offsets: torch.Tensor  # [num_tokens] offset within the block
-    num_decodes: int  # the first num_decodes tokens are single-token queries
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = valid
+    decodes: list[DecodeGroup]  # the first tokens of the batch, grouped by context length
     prefills: list[PrefillSpan]
+
+
+# What one more attention call per layer costs, in padded key positions (measured on
+# SmolLM2 shapes: ~0.1 ms of fixed cost per call vs ~0.3 us per gathered position).
+GROUP_OVERHEAD_POSITIONS = 256
+
+
+def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_POSITIONS) -> list[tuple[int, int]]:
+    """Split ascending context lengths into runs [i, j) minimising padded positions + overhead.
+
+    One padded batch over a mix of short and long contexts gathers every sequence up to the
+    longest; a few groups of similar lengths read far less. Exact DP, O(n^2) for n decodes.
+    """
+    n = len(lengths)
+    best = [0] + [0] * n  # best[j]: cost of the first j sequences
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        best[j], cut[j] = min((best[i] + (j - i) * lengths[j - 1] + overhead, i) for i in range(j))
+    groups, j = [], n
+    while j > 0:
+        groups.append((cut[j], j))
+        j = cut[j]
+    return groups[::-1]
 
 
 def build_decode_mask(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -52,10 +83,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     ops.write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     parts = []
-    n = meta.num_decodes
-    if n:
-        parts.append(ops.decode_attention(q[:n], k_cache, v_cache, meta.decode_block_tables,
-                                          meta.decode_mask, scale))
+    for g in meta.decodes:
+        parts.append(ops.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.mask, scale))
     for span in meta.prefills:
         s, e = span.start, span.start + span.num_new
         if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan, build_decode_mask
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, build_decode_mask, group_by_length
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingMetadata, TokenLogprobs
@@ -29,9 +29,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, meta, sample_rows = self._prepare(out)
+        input_ids, positions, meta, sample_rows, sampled = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [num_tokens, hidden]
-        sampled = [c for c in out.chunks if c.sample]
         if not sampled:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
@@ -50,40 +49,41 @@ class ModelRunner:
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
 
     def _prepare(self, out: SchedulerOutput):
+        """Flat batch: decodes (ascending context length) first, then prefill chunks."""
         bs = self.block_size
-        ids: list[int] = []
-        pos_parts, block_parts, prefills = [], [], []
-        decode_tables, decode_lens = [], []
-        sample_rows = []
-        offset = 0
-        for chunk in out.chunks:
-            n = chunk.num_new
-            ids.extend(chunk.token_ids)
-            pos = torch.arange(chunk.start, chunk.start + n)
-            table = torch.tensor(chunk.block_table, dtype=torch.int64)
-            pos_parts.append(pos)
-            block_parts.append(table[pos // bs])
-            if n == 1:
-                decode_tables.append(chunk.block_table)
-                decode_lens.append(chunk.context_len)
-            else:
-                prefills.append(PrefillSpan(offset, n, chunk.context_len, table))
-            offset += n
-            if chunk.sample:
+        decodes = sorted((c for c in out.chunks if c.num_new == 1), key=lambda c: c.context_len)
+        prefills = [c for c in out.chunks if c.num_new > 1]
+        ids = [c.token_ids[0] for c in decodes]
+        positions = [c.start for c in decodes]
+        slot_blocks = [c.block_table[c.start // bs] for c in decodes]
+        sample_rows = [i for i, c in enumerate(decodes) if c.sample]
+        sampled = [c for c in decodes if c.sample]
+        groups = []
+        for i, j in group_by_length([c.context_len for c in decodes]):
+            width = max(len(c.block_table) for c in decodes[i:j])
+            tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in decodes[i:j]],
+                                  dtype=torch.int64)
+            lens = torch.tensor([c.context_len for c in decodes[i:j]], dtype=torch.int64)
+            groups.append(DecodeGroup(i, j, tables.to(self.device), build_decode_mask(lens, width * bs).to(self.device)))
+        spans = []
+        offset = len(decodes)
+        for c in prefills:
+            table = torch.tensor(c.block_table, dtype=torch.int64)
+            pos = range(c.start, c.start + c.num_new)
+            ids.extend(c.token_ids)
+            positions.extend(pos)
+            slot_blocks.extend(c.block_table[p // bs] for p in pos)
+            spans.append(PrefillSpan(offset, c.num_new, c.context_len, table.to(self.device)))
+            offset += c.num_new
+            if c.sample:
                 sample_rows.append(offset - 1)
-        positions = torch.cat(pos_parts)
-        num_decodes = len(decode_tables)
-        width = max((len(t) for t in decode_tables), default=0)
-        tables = torch.zeros(num_decodes, width, dtype=torch.int64)
-        for i, t in enumerate(decode_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+                sampled.append(c)
+        pos_t = torch.tensor(positions, dtype=torch.int64)
         meta = AttentionMetadata(
-            slot_blocks=torch.cat(block_parts).to(self.device),
-            slot_offsets=(positions % bs).to(self.device),
-            num_decodes=num_decodes,
-            decode_block_tables=tables.to(self.device),
-            decode_mask=build_decode_mask(torch.tensor(decode_lens, dtype=torch.int64), width * bs).to(self.device),
-            prefills=prefills,
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=self.device),
+            slot_offsets=(pos_t % bs).to(self.device),
+            decodes=groups,
+            prefills=spans,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, positions.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64)
+        return input_ids, pos_t.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64), sampled

@@ -80,3 +80,17 @@ def test_packed_bf16_linear_matches_f_linear(m):
     ref = F.linear(x.float(), w.float(), b.float())
     torch.testing.assert_close(klinear.linear(x, w, b, packed).float(), ref, atol=2e-2, rtol=2e-2)
     assert klinear.pack_weight(w.float()) is None  # fp32 keeps F.linear
+
+
+def test_group_by_length_covers_every_decode_once_and_splits_outliers():
+    from engine.attention import group_by_length
+
+    assert group_by_length([]) == []
+    assert group_by_length([5, 5, 6]) == [(0, 3)]
+    lengths = [16] * 20 + [2000]
+    groups = group_by_length(lengths, overhead=256)
+    assert groups == [(0, 20), (20, 21)]  # one long context must not pad twenty short ones
+    lengths = sorted([3, 900, 40, 41, 1200, 7, 500, 520, 16])
+    groups = group_by_length(lengths)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))

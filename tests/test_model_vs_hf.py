@@ -61,7 +61,7 @@ def test_logits_match_hf_over_a_varlen_batch(tiny):
         chunks.append(ScheduledChunk(seq, 0, len(p), table))
     chunks.sort(key=lambda c: c.num_new > 1)
     out = SchedulerOutput(chunks)
-    input_ids, positions, meta, _ = runner._prepare(out)
+    input_ids, positions, meta, _, _ = runner._prepare(out)
     with torch.inference_mode():
         hidden = model(input_ids, positions, kv.layers, meta)
         ours = model.compute_logits(hidden).double()
