@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine.sampling_params import SamplingParamsError
+    from engine.scheduler import RequestRejected
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -66,6 +67,12 @@ def _chat(args: argparse.Namespace) -> int:
                 print(piece, end="", flush=True)
         except KeyboardInterrupt:
             pass
+        except RequestRejected as e:  # e.g. the conversation outgrew the context
+            print(f"pdserve: {e}", file=sys.stderr)
+            history.pop()
+            if not interactive:
+                return 1
+            continue
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
         if not interactive:

@@ -7,14 +7,9 @@ import struct
 import pytest
 import torch
 
-from engine.sampler import (
-    Sampler,
-    SamplingMetadata,
-    process_logits,
-    sampling_probs,
-    seeded_exponentials,
-)
+from engine.sampler import Sampler, SamplingMetadata, process_logits, sampling_probs
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.seeded_random import seeded_exponentials
 
 VOCAB = 50
 PROBS5 = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
