@@ -47,11 +47,16 @@ def load_weights(model: CausalLM, folder: str | Path) -> None:
                     loaded.add(target)
                 else:
                     fused.setdefault(target, {})[shard] = f.get_tensor(name)
+    cfg = model.cfg
     for target, shards in fused.items():
-        want = 3 if "qkv" in target else 2
-        if len(shards) != want:
-            raise CheckpointError(f"{target}: found {len(shards)} of {want} projections")
-        _copy(params[target], torch.cat([shards[i] for i in range(want)], dim=0), target)
+        rows = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target else [cfg.intermediate_size] * 2
+        if len(shards) != len(rows):
+            raise CheckpointError(f"{target}: found {len(shards)} of {len(rows)} projections")
+        for i, n in enumerate(rows):  # check each piece, so a wrong one is named, not mis-split
+            want = (n, *params[target].shape[1:])
+            if tuple(shards[i].shape) != want:
+                raise CheckpointError(f"{target} part {i}: checkpoint shape {tuple(shards[i].shape)} != model {want}")
+        _copy(params[target], torch.cat([shards[i] for i in range(len(rows))], dim=0), target)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:

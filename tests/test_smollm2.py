@@ -64,3 +64,19 @@ def test_chat_answers_paris(llm):
                       SamplingParams(temperature=0, max_tokens=32))
     assert "Paris" in out.text
     assert out.finish_reason is FinishReason.STOP
+
+
+def test_bfloat16_engine_tracks_float32_and_answers_paris(smollm2_dir, llm):
+    """bf16 (the serving default, through the packed CPU linears) stays close to float32."""
+    bf16 = LLM(model=str(smollm2_dir), dtype="bfloat16", num_kv_blocks=128)
+    (out,) = bf16.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32))
+    assert "Paris" in out.text
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    (ref,) = llm.generate([ids], params)
+    (got,) = bf16.generate([ids], params)
+    assert got.token_ids == ref.token_ids
+    ref_lp, got_lp = dict(ref.logprobs[0].top), dict(got.logprobs[0].top)
+    for token in set(ref_lp) & set(got_lp):
+        assert abs(ref_lp[token] - got_lp[token]) < 0.25  # bf16 rounding, not a different model
