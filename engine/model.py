@@ -30,7 +30,11 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32 (float64 stays float64), like the Hugging Face reference."""
+    """RMS norm computed in float32 (float64 stays float64), like the Hugging Face reference.
+
+    Not `F.rms_norm` on bf16 input: that loses the model (SmolLM2 answers gibberish), so
+    lower precisions are upcast first.
+    """
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -69,11 +73,11 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         n = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(n, cfg.num_heads, cfg.head_dim)
-        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        # q and k heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rotary(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *cos_sin)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        q, k = apply_rotary(q, k, *cos_sin)
         attn = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
         x = x + self.o_proj(attn.reshape(n, cfg.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)

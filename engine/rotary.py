@@ -49,12 +49,11 @@ class RotaryEmbedding:
 
 
 def apply_rotary(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
     cos: torch.Tensor,  # [num_tokens, 1, head_dim]
     sin: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
