@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -106,6 +106,4 @@ class LLMEngine:
 
 
 def _with_eos(cfg: ModelConfig, extra: frozenset[int]) -> ModelConfig:
-    from dataclasses import replace
-
     return replace(cfg, eos_token_ids=tuple(sorted(set(cfg.eos_token_ids) | extra)))

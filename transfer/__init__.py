@@ -1,4 +1,33 @@
-"""KV transfer over NIXL: agents, layout descriptors, versioned handshake, push sessions.
+"""KV transfer over NIXL: one agent per worker, a versioned handshake, chunk-wise pushes.
 
-Not built yet; the KV pool layout it will register is documented in engine/kv_cache.py.
+    agent = TransferAgent(agent_name("prefill", "0", incarnation), kv_cache.pool, layout, model)
+    info = agent.info().to_bytes()             # served by the worker's TransferInfo RPC
+    peer = agent.add_peer(TransferInfo.from_bytes(their_info))   # checks the compat hash
+    pusher = KVPusher(agent); receiver = KVReceiver(agent)       # sender / receiver sides
+    # in the engine loop: pusher.poll() and receiver.poll() return events, never raise
+
+Layout: the pool is block-major (engine/kv_cache.py), so one block is one contiguous
+region holding K and V of every layer (360 KiB for SmolLM2 in bf16, 2 MiB for a
+Llama-8B shape). NIXL moves regions of >= 16 KiB near memcpy speed and is slow below
+that, so the default descriptor is one region per block (`regions_per_block=1`);
+per-layer regions (12 KiB for SmolLM2) exist for per-layer streaming later. The numbers
+behind that choice are in bench/RESULTS.md (`python -m bench.transfer`).
+
+Failures are state: a push ends DONE, FAILED (with the remote blocks not confirmed and a
+reason: a NIXL error such as a disconnected peer, or the timeout) or ABORTED (once nothing
+is in flight); a receive ends COMPLETE, ABORTED or TIMED_OUT.
 """
+
+from __future__ import annotations
+
+from transfer.agent import TransferAgent, UnknownPeerError
+from transfer.handshake import HandshakeError, TransferInfo, agent_name, check_compatible
+from transfer.layout import PROTOCOL_VERSION, KVLayout, compatibility_hash
+from transfer.push import KVPusher, PushEvent, PushStatus
+from transfer.receive import KVReceiver, ReceiveEvent, ReceiveStatus
+
+__all__ = [
+    "PROTOCOL_VERSION", "HandshakeError", "KVLayout", "KVPusher", "KVReceiver", "PushEvent", "PushStatus",
+    "ReceiveEvent", "ReceiveStatus", "TransferAgent", "TransferInfo", "UnknownPeerError", "agent_name",
+    "check_compatible", "compatibility_hash",
+]

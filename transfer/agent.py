@@ -1,0 +1,123 @@
+"""One NIXL agent per worker: its KV pool registered once, peers cached by agent name.
+
+The agent runs without NIXL's progress thread (it busy-spins a core): the worker's loop
+calls `poll_notifications()` and the pusher's `poll()`, which also drives connection
+wire-up, so a passive side must keep polling. It is created in strict thread-sync mode,
+so a call from another thread cannot crash it, but it is meant for one loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from transfer.handshake import HandshakeError, TransferInfo, check_compatible
+from transfer.layout import KVLayout, region_table
+from transfer.messages import Notification, decode
+
+log = logging.getLogger(__name__)
+
+
+class UnknownPeerError(KeyError):
+    """No handshake was done with this agent name (or it was replaced by a newer incarnation)."""
+
+
+@dataclass
+class Peer:
+    name: str
+    info: TransferInfo
+    dlist: object  # NIXL prepared descriptor list of the peer's pool regions
+
+
+def _nixl():
+    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+
+class TransferAgent:
+    def __init__(self, name: str, pool: torch.Tensor, layout: KVLayout, model: str):
+        if pool.numel() * pool.element_size() != layout.pool_bytes:
+            raise ValueError(f"pool holds {pool.numel() * pool.element_size()} bytes, layout says {layout.pool_bytes}")
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be one contiguous tensor")
+        nixl_agent, nixl_agent_config, sync = _nixl()
+        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
+                                   sync_mode=sync.NIXL_THREAD_SYNC_STRICT)
+        self.name = name
+        self.pool = pool
+        self.layout = layout
+        self.model = model
+        self.mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        self.device_id = 0 if pool.device.type == "cpu" else pool.device.index or 0
+        self.nixl = nixl_agent(name, config)
+        self._registration = self.nixl.register_memory(pool)
+        self.local_dlist = self.nixl.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", region_table(pool.data_ptr(), layout, self.device_id), self.mem_type)
+        self.peers: dict[str, Peer] = {}
+
+    def info(self) -> TransferInfo:
+        """What peers need to write into this worker's pool (serve it over the control plane)."""
+        return TransferInfo(self.name, self.nixl.get_agent_metadata(), self.model, self.layout,
+                            self.pool.data_ptr(), self.device_id)
+
+    def add_peer(self, info: TransferInfo) -> str:
+        """Load a peer's agent after checking compatibility; replaces older incarnations of it."""
+        if info.agent_name in self.peers:
+            return info.agent_name
+        check_compatible(self.info_without_metadata(), info)
+        for stale in [p for p in self.peers.values() if p.info.worker_key == info.worker_key]:
+            log.info("peer %s replaced by %s (new incarnation)", stale.name, info.agent_name)
+            self.remove_peer(stale.name)
+        loaded = self.nixl.add_remote_agent(info.agent_metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else loaded
+        if name != info.agent_name:
+            self.nixl.remove_remote_agent(name)
+            raise HandshakeError(f"agent metadata names {name!r} but the info says {info.agent_name!r}")
+        dlist = self.nixl.prep_xfer_dlist(name, region_table(info.base_addr, info.layout, info.device_id),
+                                          self.mem_type)
+        self.peers[name] = Peer(name, info, dlist)
+        return name
+
+    def info_without_metadata(self) -> TransferInfo:
+        return TransferInfo(self.name, b"", self.model, self.layout, self.pool.data_ptr(), self.device_id)
+
+    def peer(self, name: str) -> Peer:
+        try:
+            return self.peers[name]
+        except KeyError:
+            raise UnknownPeerError(f"no handshake with {name!r} (known: {sorted(self.peers)})") from None
+
+    def remove_peer(self, name: str) -> None:
+        peer = self.peers.pop(name, None)
+        if peer is None:
+            return
+        peer.dlist.release()
+        try:
+            self.nixl.remove_remote_agent(name)
+        except Exception as e:  # a dead peer may fail to disconnect cleanly; it is gone either way
+            log.info("removing peer %s: %s", name, e)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        self.nixl.send_notif(peer, message)
+
+    def poll_notifications(self) -> list[Notification]:
+        """New pdkv notifications from any peer (also drives NIXL's progress for wire-up)."""
+        out = []
+        for sender, messages in self.nixl.get_new_notifs().items():
+            sender = sender.decode() if isinstance(sender, bytes) else sender
+            for message in messages:
+                notif = decode(sender, message)
+                if notif is None:
+                    log.warning("ignoring a notification from %s that is not pdkv/1: %r", sender, message[:64])
+                else:
+                    out.append(notif)
+        return out
+
+    def close(self) -> None:
+        for name in list(self.peers):
+            self.remove_peer(name)
+        self.local_dlist.release()
+        self.nixl.deregister_memory(self._registration)

@@ -1,0 +1,195 @@
+"""Sender side: push a request's KV blocks into a peer's blocks, chunk by chunk.
+
+    pusher.start("req-1", peer="decode-0-3", timeout_s=30)
+    pusher.push("req-1", local_blocks=[4, 9], remote_blocks=[17, 2])          # after chunk 1
+    pusher.push("req-1", local_blocks=[12], remote_blocks=[30], last=True)   # after the last chunk
+    for event in pusher.poll(): ...                                         # every engine step
+
+Every call returns at once; outcomes come back from `poll()` as `PushEvent`s (done,
+failed with the blocks that are not confirmed, aborted), never as exceptions across the
+loop. The last chunk carries the `done` notification and is posted only after every
+earlier chunk completed, so the receiver's notification means all of the request's
+blocks have landed. `abort()` stops posting; the `ABORTED` event (and the receiver's
+`abort` notification) come once nothing of the request is in flight. A dead peer
+surfaces as an error from NIXL on the next post or poll, a stuck one at the timeout.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from transfer import metrics
+from transfer.agent import TransferAgent
+from transfer.layout import region_indices
+from transfer.messages import NotifKind, encode
+from transfer.handshake import parse_agent_name
+
+log = logging.getLogger(__name__)
+
+
+class PushStatus(enum.Enum):
+    DONE = "done"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class PushEvent:
+    request_id: str
+    status: PushStatus
+    peer: str
+    remote_blocks: tuple[int, ...] = ()  # FAILED: blocks whose write is not confirmed
+    reason: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Chunk:
+    local: list[int]
+    remote: list[int]
+    last: bool
+    handle: object = None  # NIXL transfer handle once posted
+
+
+@dataclass
+class _Push:
+    request_id: str
+    peer: str
+    deadline: float
+    started: float
+    queued: deque[_Chunk] = field(default_factory=deque)
+    in_flight: list[_Chunk] = field(default_factory=list)
+    confirmed_bytes: int = 0
+    num_blocks: int = 0
+    saw_last: bool = False
+    aborting: bool = False
+
+
+class KVPusher:
+    def __init__(self, agent: TransferAgent, default_timeout_s: float = 30.0):
+        self.agent = agent
+        self.default_timeout_s = default_timeout_s
+        self._pushes: dict[str, _Push] = {}
+        self._events: list[PushEvent] = []
+
+    def start(self, request_id: str, peer: str, timeout_s: float | None = None) -> None:
+        """Open a push of one request's KV into `peer` (an agent name added with add_peer)."""
+        if request_id in self._pushes:
+            raise ValueError(f"request {request_id}: a push is already open")
+        self.agent.peer(peer)  # raises UnknownPeerError before anything starts
+        now = time.monotonic()
+        self._pushes[request_id] = _Push(request_id, peer, now + (timeout_s or self.default_timeout_s), now)
+        metrics.IN_FLIGHT.inc()
+
+    def push(self, request_id: str, local_blocks: list[int], remote_blocks: list[int], last: bool = False) -> None:
+        """Queue a chunk: local block i is written into the peer's block remote_blocks[i]."""
+        p = self._pushes.get(request_id)
+        if p is None or p.aborting:
+            return  # finished, failed or aborted: its event was or will be reported
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(f"request {request_id}: {len(local_blocks)} local vs {len(remote_blocks)} remote blocks")
+        if p.saw_last:
+            raise ValueError(f"request {request_id}: chunk after the last one")
+        p.saw_last = last
+        p.num_blocks += len(local_blocks)
+        p.queued.append(_Chunk(list(local_blocks), list(remote_blocks), last))
+        self._advance(p)
+
+    def abort(self, request_id: str) -> None:
+        """Stop posting; ABORTED is reported by poll() once no write of the request is in flight."""
+        p = self._pushes.get(request_id)
+        if p is not None:
+            p.aborting = True
+            p.queued.clear()
+            self._advance(p)
+
+    def poll(self) -> list[PushEvent]:
+        """Check in-flight writes, post what can go, enforce timeouts; return finished pushes."""
+        now = time.monotonic()
+        for p in list(self._pushes.values()):
+            self._advance(p)
+            if p.request_id in self._pushes and now > p.deadline:
+                self._fail(p, "timeout")
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def num_active(self) -> int:
+        return len(self._pushes)
+
+    def _advance(self, p: _Push) -> None:
+        try:
+            for chunk in list(p.in_flight):
+                state = self.agent.nixl.check_xfer_state(chunk.handle)
+                if state == "DONE":
+                    p.in_flight.remove(chunk)
+                    chunk.handle.release()
+                    p.confirmed_bytes += len(chunk.local) * self.agent.layout.block_bytes
+                    if chunk.last:
+                        return self._finish(p, PushStatus.DONE)
+                elif state == "ERR":
+                    return self._fail(p, "transfer error")
+            if p.aborting:
+                if not p.in_flight:
+                    self._notify_abort(p)
+                    self._finish(p, PushStatus.ABORTED)
+                return
+            while p.queued:
+                chunk = p.queued[0]
+                if chunk.last and p.in_flight:
+                    return  # the notification must follow every earlier write
+                if not chunk.local:  # nothing to write; a last one still owes the notification
+                    p.queued.popleft()
+                    if chunk.last:
+                        self.agent.send_notification(p.peer, encode(NotifKind.DONE, p.request_id, p.num_blocks))
+                        return self._finish(p, PushStatus.DONE)
+                    continue
+                self._post(p, chunk)
+                p.queued.popleft()
+                p.in_flight.append(chunk)
+        except Exception as e:  # NIXL raises e.g. nixlRemoteDisconnectError for a dead peer
+            self._fail(p, f"{type(e).__name__}: {e}")
+
+    def _post(self, p: _Push, chunk: _Chunk) -> None:
+        agent = self.agent
+        peer = agent.peer(p.peer)
+        r = agent.layout.regions_per_block
+        notif = encode(NotifKind.DONE, p.request_id, p.num_blocks) if chunk.last else b""
+        handle = agent.nixl.make_prepped_xfer("WRITE", agent.local_dlist, region_indices(chunk.local, r),
+                                              peer.dlist, region_indices(chunk.remote, r), notif)
+        chunk.handle = handle
+        state = agent.nixl.transfer(handle)
+        if state == "ERR":
+            raise RuntimeError("NIXL refused to post the write")
+
+    def _notify_abort(self, p: _Push) -> None:
+        try:
+            self.agent.send_notification(p.peer, encode(NotifKind.ABORT, p.request_id))
+        except Exception as e:  # the receiver may be gone; the abort stands either way
+            log.info("request %s: could not tell %s about the abort: %s", p.request_id, p.peer, e)
+
+    def _fail(self, p: _Push, reason: str) -> None:
+        unconfirmed = [b for c in (*p.in_flight, *p.queued) for b in c.remote]
+        for chunk in p.in_flight:
+            try:
+                chunk.handle.release()  # NIXL tries to cancel a write still in progress
+            except Exception:
+                pass
+        log.info("request %s: KV push to %s failed (%s); %d blocks unconfirmed",
+                 p.request_id, p.peer, reason, len(unconfirmed))
+        metrics.FAILURES.labels(reason=reason.split(":")[0]).inc()
+        self._finish(p, PushStatus.FAILED, tuple(unconfirmed), reason)
+
+    def _finish(self, p: _Push, status: PushStatus, unconfirmed: tuple[int, ...] = (), reason: str = "") -> None:
+        del self._pushes[p.request_id]
+        metrics.IN_FLIGHT.dec()
+        seconds = time.monotonic() - p.started
+        if status is PushStatus.DONE:
+            metrics.SECONDS.observe(seconds)
+        metrics.BYTES.labels(peer_role=parse_agent_name(p.peer)[0]).inc(p.confirmed_bytes)
+        self._events.append(PushEvent(p.request_id, status, p.peer, unconfirmed, reason, p.confirmed_bytes, seconds))
