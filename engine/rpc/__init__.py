@@ -1,0 +1,1 @@
+"""gRPC messages and services between the gateway and the workers (see pdserve.proto)."""
