@@ -59,10 +59,29 @@ class ScheduledChunk:
         return self.context_len == self.seq.num_tokens
 
 
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Blocks reserved for a prompt whose KV a prefill worker will write.
+
+    `block_table` covers the whole prompt; its first `num_cached_tokens // block_size`
+    blocks came from the local prefix cache, the rest are the transfer's destination.
+    """
+
+    seq: Sequence
+    block_table: list[int]
+    num_cached_tokens: int
+    block_size: int
+
+    @property
+    def destination_blocks(self) -> list[int]:
+        return self.block_table[self.num_cached_tokens // self.block_size:]
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
     preempted: list[str] = field(default_factory=list)
+    remote_prefills: list[RemotePrefill] = field(default_factory=list)  # newly reserved this step
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +112,8 @@ class Scheduler:
         self._num_waiting = 0
         self._arrivals = itertools.count()
         self.num_preemptions = 0
+        self.awaiting_kv: dict[str, Sequence] = {}  # WAITING_FOR_REMOTE_KV, by request id
+        self.held: set[str] = set()  # finished requests whose blocks wait for release()
 
     # -- intake ---------------------------------------------------------------------------
 
@@ -131,8 +152,50 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._num_waiting -= 1  # its heap entry is skipped lazily
+        elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
+            del self.awaiting_kv[request_id]
+            seq.hold_blocks = True  # a write may still land: release() once the writer confirms
         self._finish(seq, FinishReason.ABORT)
         return seq
+
+    # -- disaggregation -------------------------------------------------------------------
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> SequenceUpdate | None:
+        """The prompt's KV has landed and the prefill worker sampled `first_token`: decode."""
+        seq = self.awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
+        seq.append_token(first_token)
+        reason = self._finish_reason(seq, first_token)
+        if reason is None:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        else:
+            self._finish(seq, reason)
+        return SequenceUpdate(request_id, [first_token], reason)
+
+    def remote_kv_failed(self, request_id: str, recompute: bool) -> SequenceUpdate | None:
+        """The remote prefill failed with no write in flight: prefill locally, or fail the request."""
+        seq = self.awaiting_kv.pop(request_id, None)
+        if seq is None:
+            return None
+        if not recompute:
+            self._finish(seq, FinishReason.ERROR)
+            return SequenceUpdate(request_id, [], FinishReason.ERROR)
+        log.info("request %s: remote prefill failed, prefilling locally", request_id)
+        self.kv.free(request_id)  # prefix-cached blocks stay findable for the local admission
+        seq.remote_prefill = False
+        seq.num_computed_tokens = 0
+        self._push_waiting(seq)
+        return None
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished request held (hold_blocks, or aborted while awaiting KV)."""
+        if request_id in self.held:
+            self.held.discard(request_id)
+            self.kv.free(request_id)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -189,12 +252,21 @@ class Scheduler:
             if seq is None:
                 break
             cached_blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids)
+            if seq.remote_prefill:  # reserve the whole prompt; no compute here
+                table = self.kv.allocate_slots(seq.request_id, seq.num_tokens, cached_blocks)
+                if table is None:
+                    break
+                self._pop_waiting()
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+                seq.num_cached_tokens = num_cached
+                self.awaiting_kv[seq.request_id] = seq
+                out.remote_prefills.append(RemotePrefill(seq, table, num_cached, self.kv.block_size))
+                continue
             num_new = min(seq.num_tokens - num_cached, budget)
             table = self.kv.allocate_slots(seq.request_id, num_cached + num_new, cached_blocks)
             if table is None:
                 break  # wait for blocks; admission keeps priority order
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            self._pop_waiting()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
@@ -247,13 +319,20 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.kv.free(seq.request_id)
+        if seq.hold_blocks:
+            self.held.add(seq.request_id)
+        else:
+            self.kv.free(seq.request_id)
         del self.requests[seq.request_id]
 
     def _push_waiting(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
         self._num_waiting += 1
+
+    def _pop_waiting(self) -> None:
+        heapq.heappop(self._waiting)
+        self._num_waiting -= 1
 
     def _peek_waiting(self) -> Sequence | None:
         while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:

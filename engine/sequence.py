@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, a prefill worker writes them
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -22,6 +23,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # could not be served (e.g. every prefill attempt failed)
 
 
 @dataclass(eq=False)
@@ -37,6 +39,11 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # Disaggregation: the prompt's KV comes from a prefill worker into reserved blocks.
+    remote_prefill: bool = False
+    # Keep the blocks after finishing until Scheduler.release() (a prefill worker holds
+    # them until their push to the decode worker is done).
+    hold_blocks: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, the model's input

@@ -47,6 +47,7 @@ def run_to_end(s, token=7, max_steps=10_000):
 def assert_no_leak(s):
     assert not s.has_unfinished()
     assert s.num_running == 0 and s.num_waiting == 0
+    assert not s.awaiting_kv and not s.held
     assert s.kv.num_free_blocks == s.kv.num_total_blocks
     assert s.kv.num_requests == 0
     s.kv.check_invariants()

@@ -1,0 +1,111 @@
+"""Scheduler support for disaggregation: blocks reserved for remote KV, KV arrival, failure
+fallbacks, aborts that wait for the writer, and blocks held after finishing (prefill side).
+Fake runner outputs; every test ends with a leak check."""
+
+from __future__ import annotations
+
+from engine.sequence import FinishReason, SequenceStatus
+from tests.test_scheduler import assert_no_leak, fake_tokens, make, run_to_end, seq
+
+
+def remote(rid, n_prompt, **kw):
+    s = seq(rid, n_prompt, **kw)
+    s.remote_prefill = True
+    return s
+
+
+def test_remote_prefill_reserves_the_prompt_then_decodes_after_kv_arrives():
+    s = make(num_blocks=32, block_size=4)
+    s.add(remote("r", 10, max_tokens=3))
+    out = s.schedule()
+    assert out.chunks == []  # nothing computed locally
+    (rp,) = out.remote_prefills
+    assert len(rp.block_table) == 3 and rp.num_cached_tokens == 0 and rp.destination_blocks == rp.block_table
+    assert s.requests["r"].status is SequenceStatus.WAITING_FOR_REMOTE_KV
+    assert s.schedule().is_empty  # still waiting for the KV
+    update = s.remote_kv_ready("r", 7)
+    assert update.new_token_ids == [7] and update.finish_reason is None
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert chunk.start == 10 and chunk.num_new == 1  # a decode: the prompt counts as computed
+    assert run_to_end(s) == {"r": FinishReason.LENGTH}
+    assert_no_leak(s)
+
+
+def test_locally_cached_prefix_is_not_a_transfer_destination():
+    s = make(num_blocks=32, block_size=4)
+    s.add(seq("local", 13, max_tokens=1))
+    run_to_end(s)
+    s.add(remote("r", 13, max_tokens=2))
+    (rp,) = s.schedule().remote_prefills
+    assert rp.num_cached_tokens == 12 and rp.destination_blocks == rp.block_table[3:]
+    s.remote_kv_ready("r", 7)
+    run_to_end(s)
+    assert_no_leak(s)
+
+
+def test_first_token_can_finish_the_request():
+    s = make()
+    s.add(remote("r", 6, max_tokens=1))
+    s.schedule()
+    assert s.remote_kv_ready("r", 7).finish_reason is FinishReason.LENGTH
+    assert s.remote_kv_ready("r", 7) is None  # unknown by now
+    assert_no_leak(s)
+
+
+def test_failed_remote_prefill_falls_back_to_local_prefill_or_fails():
+    s = make(num_blocks=32, block_size=4)
+    s.add(remote("again", 9, max_tokens=2))
+    s.add(remote("give-up", 9, max_tokens=2, base=30))
+    assert len(s.schedule().remote_prefills) == 2
+    assert s.remote_kv_failed("again", recompute=True) is None
+    update = s.remote_kv_failed("give-up", recompute=False)
+    assert update.finish_reason is FinishReason.ERROR
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert chunk.seq.request_id == "again" and chunk.start == 0 and chunk.num_new == 9  # local prefill
+    assert run_to_end(s) == {"again": FinishReason.LENGTH}
+    assert_no_leak(s)
+
+
+def test_abort_while_awaiting_kv_holds_blocks_until_released():
+    s = make(num_blocks=16, block_size=4)
+    s.add(remote("r", 10))
+    s.schedule()
+    s.abort("r")
+    assert not s.has_unfinished()
+    assert s.kv.num_free_blocks == 16 - 3  # a write may still land in them
+    s.release("r")
+    assert_no_leak(s)
+
+
+def test_prefill_side_holds_blocks_after_the_first_token_until_released():
+    s = make(num_blocks=16, block_size=4)
+    p = seq("p", 10, max_tokens=1)
+    p.hold_blocks = True
+    s.add(p)
+    assert run_to_end(s) == {"p": FinishReason.LENGTH}
+    assert "p" in s.held and s.kv.block_table("p")
+    s.release("p")
+    assert not s.held
+    assert_no_leak(s)
+
+
+def test_remote_reservation_waits_for_blocks():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    s.add(seq("big", 12, max_tokens=4))
+    s.schedule()  # holds 3 of 4 blocks
+    s.add(remote("r", 8))
+    out = s.schedule()
+    assert out.remote_prefills == []
+    while s.requests.get("big"):
+        out = s.schedule()
+        s.update_from_output(out, fake_tokens(out))
+        if out.remote_prefills:
+            break
+    if not out.remote_prefills:
+        out = s.schedule()
+    assert [rp.seq.request_id for rp in out.remote_prefills] == ["r"]
+    s.remote_kv_ready("r", 7)
+    run_to_end(s)
+    assert_no_leak(s)
