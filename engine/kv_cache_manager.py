@@ -56,6 +56,13 @@ class KVCacheManager:
         self._hit_tokens += num_cached_tokens
         return blocks, num_cached_tokens
 
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """What get_computed_blocks would find now, without counting it in the hit-rate stat."""
+        queries, hits = self._query_tokens, self._hit_tokens
+        _, num_cached = self.get_computed_blocks(token_ids)
+        self._query_tokens, self._hit_tokens = queries, hits
+        return num_cached
+
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Make every full, computed block of the request findable by its chained hash.
 

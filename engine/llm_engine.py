@@ -20,7 +20,7 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import RemotePrefill, ScheduledChunk, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
 
@@ -42,13 +42,17 @@ class LLMEngine:
         load_weights(model, config.model_path)
         model.prepare()
         num_blocks = config.cache.resolve_num_blocks(config.model.kv_bytes_per_token(config.dtype))
-        self.kv_cache = KVCache(config.model, num_blocks, config.cache.block_size, config.dtype, config.device)
+        # One physical block more than the manager hands out: the deep-health probe's scratch.
+        self.kv_cache = KVCache(config.model, num_blocks + 1, config.cache.block_size, config.dtype, config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         eos = frozenset(config.model.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
         self.runner = ModelRunner(model, self.kv_cache, config.device)
         self.model = model
         self.last_step: StepStats | None = None
+        self.last_output: SchedulerOutput | None = None
+        self._remote_prefills: list[RemotePrefill] = []
+        self._probe_block = num_blocks
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
                  config.cache.block_size, self.kv_cache.total_bytes / 2**20)
@@ -72,8 +76,26 @@ class LLMEngine:
         return cls(EngineConfig(model_cfg, path, parse_dtype(dtype), cache or CacheConfig(), sched))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        self.scheduler.add(Sequence(request_id, list(prompt_token_ids), params, priority))
+                    priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False) -> None:
+        """Queue a request. remote_prefill: reserve blocks for KV written by a prefill worker
+        (see take_remote_prefills); hold_blocks: keep its blocks after it finishes until
+        scheduler.release() (a prefill worker pushing them)."""
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority)
+        seq.remote_prefill = remote_prefill
+        seq.hold_blocks = hold_blocks
+        self.scheduler.add(seq)
+
+    def take_remote_prefills(self) -> list[RemotePrefill]:
+        """Block reservations made for remote-prefill requests since the last call."""
+        taken, self._remote_prefills = self._remote_prefills, []
+        return taken
+
+    @torch.inference_mode()
+    def probe(self) -> int:
+        """A real one-token forward pass and sample (deep health), into a block kept for it."""
+        seq = Sequence("__probe__", [self.model.cfg.bos_token_id or 0], SamplingParams(temperature=0, max_tokens=1))
+        out = SchedulerOutput([ScheduledChunk(seq, 0, 1, [self._probe_block])])
+        return self.runner.execute(out).token_ids["__probe__"]
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
@@ -85,6 +107,8 @@ class LLMEngine:
         """Run one iteration; returns a delta (new tokens) per request that produced one."""
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self._remote_prefills.extend(out.remote_prefills)
+        self.last_output = out
         if out.is_empty:
             return []
         result = self.runner.execute(out)

@@ -1,0 +1,29 @@
+"""python -m decode --port P [--model M] ...: a decode worker process (also the aggregated mode)."""
+
+from __future__ import annotations
+
+import logging
+
+from decode.service import DecodeService
+from decode.worker import DecodeWorker
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from engine.worker_process import build_agent, build_engine, serve, worker_arguments
+
+
+def main() -> None:
+    parser = worker_arguments("decode")
+    parser.add_argument("--local-prefill-threshold", type=int, default=0,
+                        help="prefill here when the uncached prompt is at most this many tokens")
+    parser.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds for one remote prefill")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, model = build_engine(args)
+    agent = build_agent("decode", args, engine, model)
+    name = agent.name if agent is not None else f"decode-{args.worker_id}"
+    worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout)
+    serve(worker, lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server),
+          args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

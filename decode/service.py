@@ -1,0 +1,56 @@
+"""gRPC face of the decode worker: Generate streams, plus TransferInfo / Health / Stats."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import uuid
+
+import grpc
+
+from decode.worker import DecodeWorker
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from engine.rpc.convert import params_from_pb
+from engine.rpc.worker_service import WorkerServiceMixin
+from engine.scheduler import QueueFull, RequestRejected
+
+log = logging.getLogger(__name__)
+
+_ADMIT_TIMEOUT_S = 10.0
+_POLL_S = 0.5
+
+
+class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker):
+        self.worker = worker
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+        try:
+            params = params_from_pb(request.params)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        prompt = list(request.prompt_token_ids)
+        try:
+            self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
+                                                     list(request.prefill_workers), out, context.time_remaining()),
+                             timeout=_ADMIT_TIMEOUT_S)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except RequestRejected as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
+        context.add_callback(lambda: self.worker.submit(lambda: self.worker.cancel(rid)))
+        while True:
+            try:
+                msg = out.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    return
+                continue
+            yield msg
+            if msg.finish_reason != pb.FINISH_NONE:
+                return

@@ -1,0 +1,271 @@
+"""The decode worker: owns each request from Generate to release (DESIGN.md steps 5, 8-11).
+
+Runs on its EngineLoop thread. A request with prefill workers and a long enough uncached
+prompt reserves its blocks and asks the first prefill worker to fill them (moving down
+the list if that one fails before the KV is complete, then prefilling locally); otherwise
+it is prefilled here as chunked prefill in the decode batch (conditional disaggregation,
+and the aggregated mode when no prefill workers are given). Every step's new tokens go to
+the request's stream at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from decode.remote_prefill import Phase, RemotePrefillState, worker_is_gone
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from engine.rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RemotePrefill
+from engine.sequence import FinishReason
+from engine.worker_loop import EngineLoop
+from transfer import KVReceiver, ReceiveStatus, TransferAgent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """Where one request's responses go, and what its final message reports."""
+
+    out: queue.SimpleQueue
+    prompt_len: int
+    params: SamplingParams
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_timings: pb.Timings | None = None
+
+
+class DecodeWorker(EngineLoop):
+    def __init__(self, engine: LLMEngine, name: str, agent: TransferAgent | None = None,
+                 local_prefill_threshold: int = 0, prefill_timeout_s: float = 60.0):
+        super().__init__(engine, name=f"{name}-loop")
+        self.name = name
+        self.agent = agent
+        self.receiver = KVReceiver(agent) if agent is not None else None
+        self.local_prefill_threshold = local_prefill_threshold
+        self.prefill_timeout_s = prefill_timeout_s
+        self.streams: dict[str, _Stream] = {}
+        self.remote: dict[str, RemotePrefillState] = {}
+        self._channels: dict[str, pb_grpc.PrefillWorkerStub] = {}
+        self._transfer_info = agent.info().to_bytes() if agent is not None else b""
+        self.kv_blocks_transferred = 0
+
+    # -- commands (run on the loop thread) -----------------------------------------------
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
+            prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None) -> None:
+        """Admit a request (raises RequestRejected / QueueFull for the RPC to answer)."""
+        uncached = len(prompt) - self.engine.kv_manager.num_cached_tokens(prompt)
+        remote = bool(prefill_workers) and self.agent is not None and uncached > self.local_prefill_threshold
+        self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote)
+        self.streams[request_id] = _Stream(out, len(prompt), params)
+        if remote:
+            deadline = time.monotonic() + min(timeout_s or self.prefill_timeout_s, self.prefill_timeout_s)
+            self.remote[request_id] = RemotePrefillState(request_id, list(prefill_workers), [], 0, deadline)
+        log.info("request %s: admitted, %d prompt tokens (%d uncached), %s prefill", request_id, len(prompt),
+                 uncached, "remote" if remote else "local")
+
+    def cancel(self, request_id: str) -> None:
+        """The client went away: stop the request within a step; blocks a prefill worker may
+        still be writing are freed only once it confirms (or is known dead)."""
+        if request_id not in self.streams:
+            return  # already finished (gRPC calls back on every end of the call)
+        state = self.remote.get(request_id)
+        self.engine.abort_request(request_id)
+        if state is not None:
+            if request_id not in self.engine.scheduler.held:  # never got blocks: nothing can be written
+                del self.remote[request_id]
+            elif state.phase is Phase.PREFILLING:
+                self.receiver.forget(request_id)
+                self._abort_attempt(state, "cancelled")
+            # ABORTING: the pending Abort confirmation releases the blocks (_next_attempt)
+        self._close(request_id, pb.GenerateResponse(finish_reason=pb.ABORT))
+        log.info("request %s: cancelled", request_id)
+
+    # -- the loop's hooks ----------------------------------------------------------------
+
+    def poll(self) -> bool:
+        busy = False
+        for rp in self.engine.take_remote_prefills():
+            self._start_remote(rp)
+            busy = True
+        if self.receiver is not None:
+            for ev in self.receiver.poll():
+                busy = True
+                state = self.remote.get(ev.request_id)
+                if state is None or state.phase is not Phase.PREFILLING:
+                    continue
+                if ev.status is ReceiveStatus.COMPLETE:
+                    state.kv_complete = True
+                else:
+                    self._attempt_failed(state, f"KV {ev.status.value}")
+        for state in list(self.remote.values()):
+            busy |= self._poll_remote(state)
+        return busy
+
+    def on_step(self, deltas: list[RequestOutput]) -> None:
+        for d in deltas:
+            self._deliver(d.request_id, d.token_ids, d.finish_reason, d.logprobs, d.num_cached_tokens)
+
+    # -- remote prefill -------------------------------------------------------------------
+
+    def _start_remote(self, rp: RemotePrefill) -> None:
+        state = self.remote[rp.seq.request_id]
+        state.destination_blocks = rp.destination_blocks
+        state.num_cached_tokens = rp.num_cached_tokens
+        self.streams[state.request_id].cached_tokens = rp.num_cached_tokens
+        self._send_prefill(state, rp.seq.prompt_token_ids, rp.seq.params, rp.seq.priority)
+
+    def _send_prefill(self, state: RemotePrefillState, prompt: list[int], params: SamplingParams,
+                      priority: int) -> None:
+        req = pb.PrefillRequest(
+            request_id=state.request_id, prompt_token_ids=prompt, params=params_to_pb(params), priority=priority,
+            destination=pb.KVDestination(agent_name=self.agent.name, block_ids=state.destination_blocks,
+                                         num_cached_tokens=state.num_cached_tokens),
+            decode_transfer_info=self._transfer_info,
+        )
+        timeout = max(0.1, state.deadline - time.monotonic())
+        state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
+        state.rpc = self._stub(state.worker).Prefill.future(req, timeout=timeout)
+        self.receiver.expect(state.request_id, timeout_s=timeout + 1.0)
+        log.info("request %s: prefill on %s (attempt %d), %d blocks to fill", state.request_id, state.worker,
+                 state.attempt + 1, len(state.destination_blocks))
+
+    def _poll_remote(self, state: RemotePrefillState) -> bool:
+        if state.phase is Phase.ABORTING:
+            if state.abort_rpc is not None and state.abort_rpc.done():
+                self._after_abort(state)
+                return True
+            return False
+        if state.rpc is not None and state.rpc.done():
+            rpc, state.rpc = state.rpc, None
+            try:
+                resp = rpc.result()
+            except grpc.RpcError as e:
+                self._attempt_failed(state, f"{e.code().name}: {e.details()}", gone=worker_is_gone(e))
+                return True
+            if resp.error.code != pb.ERROR_NONE:
+                self._attempt_failed(state, resp.error.message, gone=True)  # it replied: nothing in flight
+                return True
+            state.first_token = resp.first_token_id
+            state.first_logprobs = logprobs_from_pb(resp.first_logprobs) if resp.HasField("first_logprobs") else None
+            self.streams[state.request_id].prefill_timings = resp.timings
+        if state.kv_complete and state.first_token is not None:
+            self._remote_done(state)
+            return True
+        return False
+
+    def _remote_done(self, state: RemotePrefillState) -> None:
+        state.phase = Phase.DONE
+        del self.remote[state.request_id]
+        self.kv_blocks_transferred += len(state.destination_blocks)
+        update = self.engine.scheduler.remote_kv_ready(state.request_id, state.first_token)
+        if update is not None:
+            lps = [state.first_logprobs] if state.first_logprobs is not None else None
+            self._deliver(state.request_id, update.new_token_ids, update.finish_reason, lps, state.num_cached_tokens)
+
+    def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False) -> None:
+        log.info("request %s: prefill on %s failed: %s", state.request_id, state.worker, reason)
+        state.failures.append(f"{state.worker}: {reason}")
+        self.receiver.forget(state.request_id)
+        if gone:
+            self._next_attempt(state)
+        else:
+            self._abort_attempt(state, reason)
+
+    def _abort_attempt(self, state: RemotePrefillState, reason: str) -> None:
+        """Ask the current prefill worker to stop; the blocks stay reserved until it confirms."""
+        state.phase = Phase.ABORTING
+        if state.rpc is not None:
+            state.rpc.cancel()
+            state.rpc = None
+        state.abort_rpc = self._stub(state.worker).Abort.future(
+            pb.AbortRequest(request_id=state.request_id), timeout=10.0)
+
+    def _after_abort(self, state: RemotePrefillState) -> None:
+        try:
+            state.abort_rpc.result()  # confirmed: nothing of the request is in flight
+        except grpc.RpcError as e:
+            if not worker_is_gone(e):  # neither confirmed nor dead: keep the blocks out of use
+                log.warning("request %s: %s did not confirm the abort (%s); its blocks stay reserved",
+                            state.request_id, state.worker, e.code().name)
+        state.abort_rpc = None
+        self._next_attempt(state)
+
+    def _next_attempt(self, state: RemotePrefillState) -> None:
+        rid = state.request_id
+        if rid not in self.engine.scheduler.awaiting_kv:  # cancelled meanwhile
+            self.remote.pop(rid, None)
+            self.engine.scheduler.release(rid)
+            return
+        if state.has_next_worker and time.monotonic() < state.deadline:
+            state.attempt += 1
+            seq = self.engine.scheduler.awaiting_kv[rid]
+            self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority)
+            return
+        del self.remote[rid]
+        log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))
+        self.engine.scheduler.remote_kv_failed(rid, recompute=True)
+
+    def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
+        stub = self._channels.get(address)
+        if stub is None:
+            stub = self._channels[address] = pb_grpc.PrefillWorkerStub(grpc.insecure_channel(address))
+        return stub
+
+    # -- streams --------------------------------------------------------------------------
+
+    def _deliver(self, request_id: str, token_ids: list[int], reason: FinishReason | None, logprobs,
+                 num_cached: int) -> None:
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+        now = time.monotonic()
+        if stream.first_token_at is None and token_ids:
+            stream.first_token_at = now
+        stream.num_tokens += len(token_ids)
+        msg = pb.GenerateResponse(token_ids=token_ids, finish_reason=finish_to_pb(reason))
+        if logprobs:
+            msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
+        if reason is not None:
+            msg.usage.CopyFrom(pb.Usage(prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
+                                        cached_prompt_tokens=max(num_cached, stream.cached_tokens)))
+            timings = pb.Timings(first_token_s=(stream.first_token_at or now) - stream.arrived)
+            if stream.prefill_timings is not None:
+                timings.queue_s = stream.prefill_timings.queue_s
+                timings.prefill_s = stream.prefill_timings.prefill_s
+                timings.transfer_s = stream.prefill_timings.transfer_s
+            msg.timings.CopyFrom(timings)
+            if reason is FinishReason.ERROR:
+                msg.error.CopyFrom(pb.Error(code=pb.PREFILL_FAILED, message="prefill failed", request_id=request_id))
+        stream.out.put(msg)
+        if reason is not None:
+            del self.streams[request_id]
+
+    def _close(self, request_id: str, msg: pb.GenerateResponse) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.out.put(msg)
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def stats(self) -> pb.StatsResponse:
+        e = self.engine
+        return pb.StatsResponse(
+            worker=self.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
+            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
+            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
+            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
+            kv_blocks_transferred=self.kv_blocks_transferred,
+        )

@@ -1,0 +1,66 @@
+"""Between engine dataclasses and pdserve.proto messages (the only place that knows both)."""
+
+from __future__ import annotations
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_NONE,
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.ABORT: pb.ABORT,
+    FinishReason.ERROR: pb.ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias, max_tokens=p.max_tokens,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+_DEFAULTS = SamplingParams()
+
+
+def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Engine params from a message; raises SamplingParamsError (a ValueError) naming a bad field."""
+
+    def opt(name: str):  # unset optional fields take the engine default
+        return getattr(msg, name) if msg.HasField(name) else getattr(_DEFAULTS, name)
+
+    return SamplingParams(
+        temperature=opt("temperature"), top_k=msg.top_k, top_p=opt("top_p"), min_p=msg.min_p,
+        repetition_penalty=opt("repetition_penalty"), presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias),
+        seed=opt("seed"), max_tokens=opt("max_tokens"), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, logprobs=opt("logprobs"),
+    )
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PB[reason]
+
+
+def finish_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB[value]
+
+
+def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(token_id=lp.token_id, logprob=lp.logprob,
+                            top_token_ids=[t for t, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(msg.token_id, msg.logprob, list(zip(msg.top_token_ids, msg.top_logprobs)))

@@ -1,0 +1,108 @@
+"""The engine loop of a worker process: one thread owns the engine (and its NIXL agent).
+
+gRPC handler threads never touch the engine: they `submit` a function that runs on the
+loop thread between steps, or `call` one and wait for its result. Each iteration runs
+the queued commands, the worker's `poll` hook (transfers, RPC futures), then one engine
+step if there is work; with nothing to do it sleeps on the command queue for a
+millisecond, so an idle worker costs no CPU but still polls its transfers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.001
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.last_iteration = time.monotonic()  # a stalled loop stops moving this
+
+    # -- hooks for workers ----------------------------------------------------------------
+
+    def poll(self) -> bool:
+        """Called every iteration on the loop thread; return True if it did work."""
+        return False
+
+    def on_step(self, deltas: list[RequestOutput]) -> None:
+        """Called on the loop thread with each step's per-request deltas."""
+
+    # -- other threads --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread before its next step."""
+        self._commands.put(fn)
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run `fn` on the loop thread and return its result (or raise what it raised).
+
+        Raises TimeoutError if the loop does not get to it within `timeout` seconds.
+        """
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # handed to the caller's thread
+                    future.set_exception(e)
+
+        self.submit(run)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.last_iteration = time.monotonic()
+            busy = self._drain()
+            busy |= self.poll()
+            if self.engine.has_unfinished():
+                deltas = self.engine.step()
+                busy |= bool(deltas) or bool(self.engine.last_output and not self.engine.last_output.is_empty)
+                self.on_step(deltas)
+            if not busy:
+                try:
+                    self._commands.get(timeout=_IDLE_WAIT_S)()
+                except queue.Empty:
+                    pass
+
+    def _drain(self) -> bool:
+        ran = False
+        while True:
+            try:
+                fn = self._commands.get_nowait()
+            except queue.Empty:
+                return ran
+            ran = True
+            try:
+                fn()
+            except Exception:  # a bad command must not take the loop down
+                log.exception("engine loop command failed")

@@ -1,0 +1,86 @@
+"""What the prefill and decode worker processes share: flags, engine and agent set-up, the
+gRPC server, and a clean shutdown on SIGTERM / Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+import torch
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.model_source import resolve_model
+from engine.tokenizer import Tokenizer
+from transfer import KVLayout, TransferAgent, agent_name
+
+log = logging.getLogger(__name__)
+
+
+def worker_arguments(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"python -m {role}", description=f"pdserve {role} worker (gRPC)")
+    p.add_argument("--model", default="smollm2", help="'smollm2', a Hugging Face folder or a .gguf file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (cluster-internal)")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--worker-id", default="0")
+    p.add_argument("--incarnation", type=int, default=None, help="default: start time in ms (unique per restart)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="KV pool size in blocks (default: --kv-memory-gib)")
+    p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests are refused at once")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+    p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
+    return p
+
+
+def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
+    torch.set_num_threads(args.threads)
+    path = resolve_model(args.model)
+    eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
+    model_len = ModelConfig.from_pretrained(path).max_model_len
+    engine = LLMEngine.from_folder(
+        path, args.dtype,
+        CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib),
+        SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, model_len, args.max_waiting),
+        eos,
+    )
+    return engine, path.name
+
+
+def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: str) -> TransferAgent | None:
+    if args.no_transfer:
+        return None
+    incarnation = args.incarnation if args.incarnation is not None else int(time.time() * 1000)
+    pool = engine.kv_cache.pool
+    return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model)
+
+
+def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: int) -> None:
+    """Run the worker's loop and gRPC server until SIGTERM or Ctrl-C, then stop both."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
+    add_servicer(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise SystemExit(f"cannot bind {host}:{port}")
+    worker.start()
+    server.start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
+    done.wait()
+    log.info("%s: shutting down", worker.name)
+    server.stop(grace=2.0).wait()
+    worker.stop()
+    if worker.agent is not None:
+        worker.agent.close()

@@ -1,0 +1,61 @@
+"""gRPC face of the prefill worker: Prefill, Abort, plus TransferInfo / Health / Stats."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from engine.rpc.convert import params_from_pb
+from engine.rpc.worker_service import WorkerServiceMixin
+from engine.scheduler import QueueFull
+from prefill.worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+_ADMIT_TIMEOUT_S = 10.0
+_ABORT_TIMEOUT_S = 10.0
+_POLL_S = 0.5
+
+
+class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker):
+        self.worker = worker
+
+    def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        rid = request.request_id
+        reply: Future = Future()
+        try:
+            params = params_from_pb(request.params)
+            self.worker.call(lambda: self.worker.add(request, params, reply, context.time_remaining()),
+                             timeout=_ADMIT_TIMEOUT_S)
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ValueError as e:  # bad parameters, destination or handshake (HandshakeError, RequestRejected)
+            log.info("request %s: refused: %s", rid, e)
+            return pb.PrefillResponse(error=pb.Error(code=pb.INVALID_REQUEST, message=str(e), request_id=rid))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
+        # The caller gave up (deadline, cancel, crash): stop the work and free the blocks.
+        context.add_callback(lambda: reply.done() or self.worker.submit(lambda: self.worker.abort(rid)))
+        while True:
+            try:
+                return reply.result(timeout=_POLL_S)
+            except FutureTimeout:
+                if not context.is_active():
+                    return pb.PrefillResponse(error=pb.Error(code=pb.CANCELLED, message="caller gone",
+                                                             request_id=rid))
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        """Answers once nothing of the request is in flight (its blocks are free to reuse)."""
+        confirmed: Future = Future()
+        self.worker.submit(lambda: self.worker.abort(request.request_id, confirmed))
+        try:
+            return pb.AbortResponse(found=confirmed.result(timeout=_ABORT_TIMEOUT_S))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"request {request.request_id}: writes still in flight after {_ABORT_TIMEOUT_S}s")

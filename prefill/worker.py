@@ -1,0 +1,166 @@
+"""The prefill worker: chunked prefill of prompts and a push of each finished chunk's KV
+blocks into the blocks a decode worker reserved (DESIGN.md steps 6-7).
+
+Runs on its EngineLoop thread. The engine's scheduler does the chunking (token budget per
+step, several prompts per forward, priorities, its own prefix cache); after every step
+the blocks that became complete are pushed while the next chunk computes, and the last
+push carries the notification. A request keeps its blocks only until its push ends (they
+stay in the prefix cache afterwards); the Prefill reply (first token, timings) is sent
+then. Abort stops the request and is confirmed once no write is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc.convert import logprobs_to_pb
+from engine.sampling_params import SamplingParams
+from engine.worker_loop import EngineLoop
+from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    request_id: str
+    peer: str
+    dest_blocks: list[int]
+    skip_blocks: int  # leading prompt blocks the decode worker already has cached
+    num_prompt_tokens: int
+    reply: Future  # resolves to a PrefillResponse
+    arrived: float = field(default_factory=time.monotonic)
+    first_chunk_at: float | None = None
+    sampled_at: float | None = None
+    pushed: int = 0  # prompt blocks handed to the pusher so far (counting skipped ones)
+    first_token: int | None = None
+    first_logprobs: object = None
+    num_cached_tokens: int = 0
+    abort_waiters: list[Future] = field(default_factory=list)
+
+
+class PrefillWorker(EngineLoop):
+    def __init__(self, engine: LLMEngine, agent: TransferAgent, push_timeout_s: float = 60.0):
+        super().__init__(engine, name=f"{agent.name}-loop")
+        self.name = agent.name
+        self.agent = agent
+        self.pusher = KVPusher(agent, default_timeout_s=push_timeout_s)
+        self.block_size = engine.kv_manager.block_size
+        self.requests: dict[str, _Prefill] = {}
+        self.kv_blocks_transferred = 0
+
+    # -- commands (run on the loop thread) -----------------------------------------------
+
+    def add(self, req: pb.PrefillRequest, params: SamplingParams, reply: Future,
+            timeout_s: float | None) -> None:
+        """Queue a prefill; failures before anything started resolve `reply` with an error."""
+        rid = req.request_id
+        dest = req.destination
+        if dest.num_cached_tokens % self.block_size:
+            raise ValueError(f"request {rid}: num_cached_tokens {dest.num_cached_tokens} is not a block multiple")
+        prompt = list(req.prompt_token_ids)
+        num_blocks = -(-len(prompt) // self.block_size)
+        skip = dest.num_cached_tokens // self.block_size
+        if len(dest.block_ids) != num_blocks - skip:
+            raise ValueError(f"request {rid}: {len(dest.block_ids)} destination blocks for {num_blocks - skip} "
+                             f"uncached prompt blocks")
+        peer = self.agent.add_peer(TransferInfo.from_bytes(req.decode_transfer_info))
+        if peer != dest.agent_name:
+            raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {peer!r}")
+        # The first token is sampled here with the request's own parameters; decoding goes on there.
+        self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True)
+        self.pusher.start(rid, peer, timeout_s)
+        self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
+        log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
+                 num_blocks - skip)
+
+    def abort(self, request_id: str, confirmed: Future | None = None) -> None:
+        """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
+        p = self.requests.get(request_id)
+        if p is None:
+            if confirmed is not None:
+                confirmed.set_result(False)
+            return
+        if confirmed is not None:
+            p.abort_waiters.append(confirmed)
+        self.engine.abort_request(request_id)  # its blocks are held until the push ends
+        self.pusher.abort(request_id)
+        log.info("request %s: abort asked", request_id)
+
+    # -- the loop's hooks ----------------------------------------------------------------
+
+    def on_step(self, deltas: list[RequestOutput]) -> None:
+        out = self.engine.last_output
+        now = time.monotonic()
+        sampled = {d.request_id: d for d in deltas}
+        for chunk in out.chunks if out is not None else ():
+            p = self.requests.get(chunk.seq.request_id)
+            if p is None:
+                continue
+            if p.first_chunk_at is None:
+                p.first_chunk_at = now
+                p.num_cached_tokens = chunk.seq.num_cached_tokens
+            delta = sampled.get(p.request_id)
+            if delta is not None:  # the prompt is done: push the rest, the partial last block too
+                p.first_token = delta.token_ids[0]
+                p.first_logprobs = delta.logprobs[0] if delta.logprobs else None
+                p.sampled_at = now
+                self._push(p, chunk.block_table, -(-p.num_prompt_tokens // self.block_size), last=True)
+            else:
+                self._push(p, chunk.block_table, chunk.context_len // self.block_size, last=False)
+
+    def poll(self) -> bool:
+        events = self.pusher.poll()
+        for ev in events:
+            p = self.requests.pop(ev.request_id, None)
+            self.engine.scheduler.release(ev.request_id)
+            if p is None:
+                continue
+            if ev.status is PushStatus.DONE:
+                self.kv_blocks_transferred += len(p.dest_blocks)
+                p.reply.set_result(self._response(p))
+            else:
+                code = pb.CANCELLED if ev.status is PushStatus.ABORTED else pb.KV_TRANSFER_FAILED
+                reason = ev.reason or ev.status.value
+                p.reply.set_result(pb.PrefillResponse(error=pb.Error(code=code, message=f"KV push: {reason}",
+                                                                     request_id=p.request_id)))
+            for waiter in p.abort_waiters:
+                waiter.set_result(True)
+        return bool(events)
+
+    def _push(self, p: _Prefill, table: list[int], upto: int, last: bool) -> None:
+        if upto <= p.pushed and not last:
+            return
+        local = table[p.pushed:upto]
+        remote = p.dest_blocks[p.pushed - p.skip_blocks:upto - p.skip_blocks]
+        p.pushed = max(p.pushed, upto)
+        self.pusher.push(p.request_id, local, remote, last=last)
+
+    def _response(self, p: _Prefill) -> pb.PrefillResponse:
+        now = time.monotonic()
+        first_chunk = p.first_chunk_at or now
+        sampled = p.sampled_at or now
+        resp = pb.PrefillResponse(
+            first_token_id=p.first_token, num_cached_tokens=p.num_cached_tokens,
+            timings=pb.Timings(queue_s=first_chunk - p.arrived, prefill_s=sampled - first_chunk,
+                               transfer_s=now - sampled),
+        )
+        if p.first_logprobs is not None:
+            resp.first_logprobs.CopyFrom(logprobs_to_pb(p.first_logprobs))
+        return resp
+
+    def stats(self) -> pb.StatsResponse:
+        e = self.engine
+        return pb.StatsResponse(
+            worker=self.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
+            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
+            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
+            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
+            kv_blocks_transferred=self.kv_blocks_transferred,
+        )
