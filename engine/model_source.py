@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import envs
 from engine.gguf_convert import convert_gguf
 
 # Bump when convert_gguf's output changes, so stale cached conversions are not reused.
@@ -47,7 +48,7 @@ class InvalidModelFolderError(ModelSourceError):
 
 def default_cache_dir() -> Path:
     """$PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    return envs.cache_dir()
 
 
 def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from engine import envs
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -80,7 +81,10 @@ class EngineLoop:
     # -- the loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        stall_file = envs.fault_stall_file()
         while not self._stop.is_set():
+            while stall_file is not None and stall_file.exists() and not self._stop.is_set():
+                time.sleep(0.01)  # injected fault: a wedged loop behind a live gRPC server
             self.last_iteration = time.monotonic()
             busy = self._drain()
             busy |= self.poll()

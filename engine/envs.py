@@ -1,0 +1,19 @@
+"""Every environment variable pdserve reads, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """PDSERVE_CACHE_DIR: where converted models live (default ~/.cache/pdserve)."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def fault_stall_file() -> Path | None:
+    """PDSERVE_FAULT_STALL_FILE: fault injection for tests and chaos runs. While this file
+    exists, a worker's engine loop stalls (its gRPC server keeps answering), like a wedged
+    worker. Unset in production."""
+    value = os.environ.get("PDSERVE_FAULT_STALL_FILE")
+    return Path(value) if value else None
