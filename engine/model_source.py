@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path

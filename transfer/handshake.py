@@ -22,6 +22,9 @@ class HandshakeError(ValueError):
 def agent_name(role: str, worker_id: str, incarnation: int) -> str:
     if "-" in role or not role:
         raise ValueError(f"role {role!r}: must be non-empty and contain no '-'")
+    if not worker_id or incarnation < 0:
+        raise ValueError(f"worker id {worker_id!r}, incarnation {incarnation!r}: need a non-empty id "
+                         "and an incarnation >= 0, or parse_agent_name cannot read the name back")
     return f"{role}-{worker_id}-{incarnation}"
 
 
@@ -77,9 +80,10 @@ class TransferInfo:
                 raise HandshakeError(f"peer speaks transfer protocol {version}, this worker {PROTOCOL_VERSION}")
             info = cls(d["agent_name"], base64.b64decode(d["agent_metadata"]), d["model"],
                        KVLayout(**d["layout"]), int(d["base_addr"]), int(d["device_id"]), version)
+            parse_agent_name(info.agent_name)  # an unparseable name would break add_peer for every later peer
         except HandshakeError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise HandshakeError(f"malformed transfer info: {e}") from e
         if d.get("compat_hash") != info.compat_hash:
             raise HandshakeError(f"transfer info of {info.agent_name}: compatibility hash does not match its fields")

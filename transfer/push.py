@@ -175,7 +175,10 @@ class KVPusher:
 
     def _fail(self, p: _Push, reason: str) -> None:
         unconfirmed = [b for c in (*p.in_flight, *p.queued) for b in c.remote]
-        for chunk in p.in_flight:
+        # A queued chunk has a handle too when its post raised (e.g. a dead peer): release it as well.
+        for chunk in (*p.in_flight, *p.queued):
+            if chunk.handle is None:
+                continue
             try:
                 chunk.handle.release()  # NIXL tries to cancel a write still in progress
             except Exception:
