@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transfer.handshake import HandshakeError, TransferInfo, check_compatible
+from transfer.handshake import HandshakeError, TransferInfo, check_compatible, parse_agent_name
 from transfer.layout import KVLayout, region_table
 from transfer.messages import Notification, decode
 
@@ -68,7 +68,12 @@ class TransferAgent:
         if info.agent_name in self.peers:
             return info.agent_name
         check_compatible(self.info_without_metadata(), info)
-        for stale in [p for p in self.peers.values() if p.info.worker_key == info.worker_key]:
+        same_worker = [p for p in self.peers.values() if p.info.worker_key == info.worker_key]
+        incarnation = parse_agent_name(info.agent_name)[2]
+        for known in same_worker:  # late info from before a restart must not replace the restarted worker
+            if parse_agent_name(known.name)[2] > incarnation:
+                raise HandshakeError(f"{info.agent_name} is older than the known {known.name}: stale transfer info")
+        for stale in same_worker:
             log.info("peer %s replaced by %s (new incarnation)", stale.name, info.agent_name)
             self.remove_peer(stale.name)
         loaded = self.nixl.add_remote_agent(info.agent_metadata)

@@ -83,7 +83,8 @@ class KVPusher:
             raise ValueError(f"request {request_id}: a push is already open")
         self.agent.peer(peer)  # raises UnknownPeerError before anything starts
         now = time.monotonic()
-        self._pushes[request_id] = _Push(request_id, peer, now + (timeout_s or self.default_timeout_s), now)
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        self._pushes[request_id] = _Push(request_id, peer, now + timeout, now)
         metrics.IN_FLIGHT.inc()
 
     def push(self, request_id: str, local_blocks: list[int], remote_blocks: list[int], last: bool = False) -> None:

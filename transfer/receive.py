@@ -52,7 +52,8 @@ class KVReceiver:
 
     def expect(self, request_id: str, sender: str | None = None, timeout_s: float | None = None) -> None:
         """Wait for `request_id`'s KV (from `sender`, or any peer when None)."""
-        self._expected[request_id] = _Expected(sender, time.monotonic() + (timeout_s or self.default_timeout_s))
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
+        self._expected[request_id] = _Expected(sender, time.monotonic() + timeout)
 
     def forget(self, request_id: str) -> None:
         self._expected.pop(request_id, None)
