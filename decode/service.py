@@ -43,7 +43,12 @@ class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
-        context.add_callback(lambda: self.worker.submit(lambda: self.worker.cancel(rid)))
+
+        def cancel() -> None:
+            self.worker.submit(lambda: self.worker.cancel(rid))
+
+        if not context.add_callback(cancel):  # the call ended while the request was being admitted
+            cancel()
         while True:
             try:
                 msg = out.get(timeout=_POLL_S)

@@ -24,7 +24,7 @@ from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 from engine.rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RemotePrefill
+from engine.scheduler import RemotePrefill, RequestRejected
 from engine.sequence import FinishReason
 from engine.worker_loop import EngineLoop
 from transfer import KVReceiver, ReceiveStatus, TransferAgent
@@ -66,6 +66,9 @@ class DecodeWorker(EngineLoop):
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
             prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None) -> None:
         """Admit a request (raises RequestRejected / QueueFull for the RPC to answer)."""
+        if request_id in self.remote or request_id in self.engine.scheduler.held:
+            # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
+            raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
         uncached = len(prompt) - self.engine.kv_manager.num_cached_tokens(prompt)
         remote = bool(prefill_workers) and self.agent is not None and uncached > self.local_prefill_threshold
         self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote)
@@ -121,6 +124,8 @@ class DecodeWorker(EngineLoop):
     # -- remote prefill -------------------------------------------------------------------
 
     def _start_remote(self, rp: RemotePrefill) -> None:
+        if rp.seq.request_id not in self.engine.scheduler.awaiting_kv:
+            return  # cancelled since the reservation: cancel() sent the Abort whose answer frees the blocks
         state = self.remote[rp.seq.request_id]
         state.destination_blocks = rp.destination_blocks
         state.num_cached_tokens = rp.num_cached_tokens
@@ -197,9 +202,12 @@ class DecodeWorker(EngineLoop):
         try:
             state.abort_rpc.result()  # confirmed: nothing of the request is in flight
         except grpc.RpcError as e:
-            if not worker_is_gone(e):  # neither confirmed nor dead: keep the blocks out of use
+            if not worker_is_gone(e):  # neither confirmed nor dead: keep the blocks out of use, ask again
                 log.warning("request %s: %s did not confirm the abort (%s); its blocks stay reserved",
                             state.request_id, state.worker, e.code().name)
+                state.abort_rpc = self._stub(state.worker).Abort.future(
+                    pb.AbortRequest(request_id=state.request_id), timeout=10.0)
+                return
         state.abort_rpc = None
         self._next_attempt(state)
 

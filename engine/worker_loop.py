@@ -33,6 +33,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_iteration = time.monotonic()  # a stalled loop stops moving this
+        self.num_errors = 0  # iterations that raised (logged); the loop keeps going
+        self._idle_command: Callable[[], None] | None = None
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -86,25 +88,37 @@ class EngineLoop:
             while stall_file is not None and stall_file.exists() and not self._stop.is_set():
                 time.sleep(0.01)  # injected fault: a wedged loop behind a live gRPC server
             self.last_iteration = time.monotonic()
-            busy = self._drain()
-            busy |= self.poll()
-            if self.engine.has_unfinished():
-                deltas = self.engine.step()
-                busy |= bool(deltas) or bool(self.engine.last_output and not self.engine.last_output.is_empty)
-                self.on_step(deltas)
+            try:
+                busy = self._iterate()
+            except Exception:  # keep serving: a dead loop behind a live server hangs every request
+                self.num_errors += 1
+                log.exception("engine loop iteration failed")
+                busy = True
             if not busy:
-                try:
-                    self._commands.get(timeout=_IDLE_WAIT_S)()
+                try:  # sleep until a command arrives; it runs at the top of the next iteration
+                    self._idle_command = self._commands.get(timeout=_IDLE_WAIT_S)
                 except queue.Empty:
                     pass
+
+    def _iterate(self) -> bool:
+        busy = self._drain()
+        busy |= self.poll()
+        if self.engine.has_unfinished():
+            deltas = self.engine.step()
+            busy |= bool(deltas) or bool(self.engine.last_output and not self.engine.last_output.is_empty)
+            self.on_step(deltas)
+        return busy
 
     def _drain(self) -> bool:
         ran = False
         while True:
-            try:
-                fn = self._commands.get_nowait()
-            except queue.Empty:
-                return ran
+            if self._idle_command is not None:  # taken while idle: it came first
+                fn, self._idle_command = self._idle_command, None
+            else:
+                try:
+                    fn = self._commands.get_nowait()
+                except queue.Empty:
+                    return ran
             ran = True
             try:
                 fn()

@@ -41,7 +41,12 @@ class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
         # The caller gave up (deadline, cancel, crash): stop the work and free the blocks.
-        context.add_callback(lambda: reply.done() or self.worker.submit(lambda: self.worker.abort(rid)))
+        def abort() -> None:
+            if not reply.done():
+                self.worker.submit(lambda: self.worker.abort(rid))
+
+        if not context.add_callback(abort):  # the caller left while the request was being admitted
+            abort()
         while True:
             try:
                 return reply.result(timeout=_POLL_S)

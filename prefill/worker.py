@@ -61,6 +61,8 @@ class PrefillWorker(EngineLoop):
             timeout_s: float | None) -> None:
         """Queue a prefill; failures before anything started resolve `reply` with an error."""
         rid = req.request_id
+        if rid in self.requests:  # e.g. its push is still in flight; its blocks are held under this id
+            raise ValueError(f"request {rid}: duplicate request id (one with this id is still in flight)")
         dest = req.destination
         if dest.num_cached_tokens % self.block_size:
             raise ValueError(f"request {rid}: num_cached_tokens {dest.num_cached_tokens} is not a block multiple")

@@ -1,0 +1,135 @@
+"""Real `python -m prefill` / `python -m decode` processes for tests/test_workers.py.
+
+`start_workers` launches worker processes on OS-chosen loopback ports (`--port 0`; the
+bound port is read back from the "ready on HOST:PORT" line on stderr), all at once so
+their start-ups overlap, and waits a bounded time for each to be ready. A worker that
+exits or stays silent fails the test with the tail of its log. Every wait here is
+bounded, and `WorkerProc.stop` (terminate, then kill) always ends the process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 60.0
+_READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
+
+
+@dataclass
+class WorkerProc:
+    role: str  # "prefill" or "decode"
+    proc: subprocess.Popen
+    log_path: Path
+    address: str = ""
+    _channel: grpc.Channel | None = None
+
+    @property
+    def stub(self):
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        cls = pb_grpc.DecodeWorkerStub if self.role == "decode" else pb_grpc.PrefillWorkerStub
+        return cls(self._channel)
+
+    def stats(self, timeout: float = 5.0) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest(), timeout=timeout)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(lines[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, no clean-up on the worker's side (a crash)."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(8)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _launch(role: str, model: Path, log_dir: Path, name: str, args: list[str], env: dict[str, str]) -> WorkerProc:
+    log_path = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", role, "--model", str(model), "--port", "0", "--threads", "1", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    with open(log_path, "wb") as log:  # a file, not a pipe: a chatty worker never blocks on it
+        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return WorkerProc(role, proc, log_path)
+
+
+def _wait_ready(workers: list[WorkerProc], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = list(workers)
+    while pending:
+        for w in list(pending):
+            m = _READY.search(w.log_path.read_text(errors="replace"))
+            if m:
+                w.address = f"{m.group(1)}:{m.group(2)}"
+                pending.remove(w)
+            elif not w.alive():
+                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode} before it was ready:\n"
+                                   f"{w.log_tail()}")
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"{pending[0].role} worker not ready within {timeout_s}s:\n{pending[0].log_tail()}")
+        time.sleep(0.05)
+
+
+def start_workers(specs: list[tuple[str, list[str], dict[str, str]]], model: Path, log_dir: Path,
+                  timeout_s: float = READY_TIMEOUT_S) -> list[WorkerProc]:
+    """Start one worker per (role, extra args, extra env) and wait until all are ready.
+
+    On any failure every worker started here is stopped before the error propagates.
+    """
+    workers: list[WorkerProc] = []
+    try:
+        for i, (role, args, env) in enumerate(specs):
+            workers.append(_launch(role, model, log_dir, f"{role}-{i}-{time.monotonic_ns()}", args, env))
+        _wait_ready(workers, timeout_s)
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers
+
+
+def wait_idle(worker: WorkerProc, timeout_s: float = 20.0) -> pb.StatsResponse:
+    """Poll Stats until no request is queued or running and every block is free (bounded).
+
+    Returns the last Stats; the caller asserts on it, so a leak shows its numbers.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = worker.stats()
+        if s.waiting_requests == 0 and s.running_requests == 0 and s.free_blocks == s.total_blocks:
+            return s
+        if time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
