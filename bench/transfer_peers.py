@@ -1,0 +1,263 @@
+"""The two processes of `python -m bench.transfer`: a sender pool that pushes, a receiver pool that is written.
+
+Each runs a command loop on a Pipe from the coordinator: a command is `(name, kwargs)`,
+the reply `("ok", value)` or `("error", traceback text)`, so a failure inside a worker
+reaches the coordinator as a message instead of a hang. The receiver keeps polling NIXL
+between commands (a passive side must, or wire-up never completes), the way a decode
+worker's loop would; the sender only acts on commands.
+
+Pools are block-major like engine/kv_cache.py and touched before any timing, so no
+measurement pays for page faults. Byte checks are BLAKE2 digests of the blocks in order,
+which catch a block written to the wrong place as well as a block not written at all.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import hashlib
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from transfer.agent import TransferAgent
+from transfer.handshake import TransferInfo
+from transfer.layout import KVLayout, region_indices, region_table
+from transfer.push import KVPusher, PushStatus
+from transfer.receive import KVReceiver
+
+MODEL = "bench-transfer"  # both sides publish the same name; only the layout matters here
+IDLE_POLL_S = 0.0005  # the receiver's loop period while waiting for a command
+POISON = 0xA5A5A5A5A5A5A5A5  # target blocks are filled with this before the verified push
+
+
+def _alloc_pool(layout: KVLayout) -> torch.Tensor:
+    # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    return torch.empty(layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                       layout.head_dim, dtype=torch.bfloat16)
+
+
+def _rows(pool: torch.Tensor, num_blocks: int) -> np.ndarray:
+    """[num_blocks, block_bytes // 8] uint64 numpy view of the pool (shares memory)."""
+    return pool.view(-1).view(torch.int64).numpy().view(np.uint64).reshape(num_blocks, -1)
+
+
+def _digest(rows: np.ndarray, blocks: list[int]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for b in blocks:
+        h.update(rows[b])
+    return h.hexdigest()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.process_vm_writev.restype = ctypes.c_ssize_t
+_libc.process_vm_writev.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                                    ctypes.c_ulong]
+IOV_MAX = 1024
+
+
+def _cma_write(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
+    """process_vm_writev of [n, 2] uint64 (address, length) rows (laid out as struct iovec)."""
+    for s in range(0, len(local), IOV_MAX):
+        m = min(IOV_MAX, len(local) - s)
+        want = int(local[s:s + m, 1].sum())
+        got = _libc.process_vm_writev(pid, local.ctypes.data + 16 * s, m, remote.ctypes.data + 16 * s, m, 0)
+        if got != want:
+            raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} bytes")
+
+
+class _Side:
+    """What both workers share: one pool per layout shape, one agent per configuration."""
+
+    def __init__(self) -> None:
+        self.pool: torch.Tensor | None = None
+        self.rows: np.ndarray | None = None
+        self.agent: TransferAgent | None = None
+
+    def _new_agent(self, name: str, layout: dict) -> tuple[KVLayout, bool]:
+        """Create this configuration's agent; (re)allocate the pool when its size changes."""
+        self.teardown()
+        kv = KVLayout(**layout)
+        fresh = self.pool is None or self.pool.numel() * self.pool.element_size() != kv.pool_bytes
+        if fresh:
+            self.pool = self.rows = None
+            gc.collect()
+            self.pool = _alloc_pool(kv)
+            self.rows = _rows(self.pool, kv.num_blocks)
+        self.agent = TransferAgent(name, self.pool.view(-1), kv, MODEL)
+        return kv, fresh
+
+    def teardown(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+            gc.collect()
+
+
+class SenderSide(_Side):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pusher: KVPusher | None = None
+        self.peer = ""
+        self.peer_pid = 0
+        self.scratch: np.ndarray | None = None
+
+    def setup(self, name: str, layout: dict, seed: int) -> None:
+        kv, fresh = self._new_agent(name, layout)
+        if fresh:  # random bytes, so a missed or misplaced block cannot match by chance
+            np.random.default_rng(seed).random(out=self.rows.view(np.float64))
+            self.scratch = None
+
+    def connect(self, info: bytes, pid: int, timeout_s: float) -> str:
+        self.peer = self.agent.add_peer(TransferInfo.from_bytes(info))
+        self.peer_pid = pid
+        self.pusher = KVPusher(self.agent, default_timeout_s=timeout_s)
+        return self.peer
+
+    def push(self, request_id: str, chunks: list[tuple[list[int], list[int]]], timeout_s: float) -> dict:
+        """Post every chunk (the last one carries DONE) and poll until the push ends.
+
+        Timed from just before the first chunk is posted to the poll that returns the
+        event: the sender-side latency the serving loop sees.
+        """
+        pusher = self.pusher
+        guard = time.monotonic() + timeout_s + 5.0  # the pusher's own timeout fires first
+        t0 = time.perf_counter()
+        pusher.start(request_id, self.peer, timeout_s)
+        for i, (local, remote) in enumerate(chunks):
+            pusher.push(request_id, local, remote, last=i == len(chunks) - 1)
+        while not (events := pusher.poll()):
+            if time.monotonic() > guard:
+                raise TimeoutError(f"push {request_id}: no event from the pusher within {timeout_s + 5:.0f}s")
+        seconds = time.perf_counter() - t0
+        ev = events[0]
+        return {"status": ev.status.value, "ok": ev.status is PushStatus.DONE, "reason": ev.reason,
+                "seconds": seconds, "num_bytes": ev.num_bytes}
+
+    def digest(self, blocks: list[int]) -> str:
+        return _digest(self.rows, blocks)
+
+    def copies(self, blocks: list[int], remote_blocks: list[int], repeats: int) -> dict[str, list[float]]:
+        """Same-bytes references, each timed `repeats` times after one warm-up.
+
+        memcpy / torch_copy: the pool's first len(blocks) blocks (one contiguous range) into a
+        contiguous buffer, by libc memcpy (np.copyto) and by torch's copy_ (one thread).
+        gather: the scattered `blocks` rows into that buffer (numpy take).
+        cma: process_vm_writev of `blocks` into the peer's `remote_blocks`, one iovec per
+        region of this configuration: the kernel copy UCX's CMA transport makes, without NIXL.
+        """
+        n = len(blocks)
+        if self.scratch is None or self.scratch.shape[0] != n:
+            self.scratch = np.zeros((n, self.rows.shape[1]), dtype=np.uint64)
+            self.scratch.fill(1)  # touch every page before timing
+        src = self.rows[:n]
+        idx = np.asarray(blocks, dtype=np.intp)
+        layout, peer = self.agent.layout, self.agent.peer(self.peer).info
+        r = layout.regions_per_block
+        local = region_table(self.pool.data_ptr(), layout)[region_indices(blocks, r), :2].astype(np.uint64)
+        remote = region_table(peer.base_addr, layout)[region_indices(remote_blocks, r), :2].astype(np.uint64)
+        tsrc, tdst = torch.from_numpy(src), torch.from_numpy(self.scratch)
+        cases = {
+            "memcpy": lambda: np.copyto(self.scratch, src),
+            "torch_copy": lambda: tdst.copy_(tsrc),
+            # mode="clip": with the default "raise", numpy gathers into a temporary and copies again
+            "gather": lambda: np.take(self.rows, idx, axis=0, out=self.scratch, mode="clip"),
+            "cma": lambda: _cma_write(self.peer_pid, local, remote),
+        }
+        timings: dict[str, list[float]] = {}
+        for name, fn in cases.items():
+            fn()
+            timings[name] = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                timings[name].append(time.perf_counter() - t0)
+        if _digest(self.scratch, list(range(n))) != _digest(self.rows, blocks):
+            raise RuntimeError("numpy gather produced different bytes than the source blocks")
+        return timings
+
+    def teardown(self) -> None:
+        self.pusher = None
+        super().teardown()
+
+
+class ReceiverSide(_Side):
+    def __init__(self) -> None:
+        super().__init__()
+        self.receiver: KVReceiver | None = None
+        self.events: dict[str, object] = {}
+
+    def setup(self, name: str, layout: dict) -> dict:
+        """Fresh agent; returns its transfer info and this process's pid (for the CMA reference)."""
+        _, fresh = self._new_agent(name, layout)
+        if fresh:
+            self.rows.fill(POISON)
+        self.receiver = KVReceiver(self.agent)
+        self.events.clear()
+        return {"info": self.agent.info().to_bytes(), "pid": os.getpid()}
+
+    def expect(self, request_id: str, blocks: list[int], poison: bool, timeout_s: float) -> None:
+        if poison:
+            self.rows[np.asarray(blocks, dtype=np.intp)] = POISON
+        self.receiver.expect(request_id, timeout_s=timeout_s)
+
+    def poll(self) -> None:
+        if self.receiver is not None:
+            for ev in self.receiver.poll():
+                self.events[ev.request_id] = ev
+
+    def wait(self, request_id: str, blocks: list[int], verify: bool, timeout_s: float) -> dict:
+        """Poll until `request_id` ends here; with `verify`, digest its target blocks."""
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.events:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"receiver: nothing for {request_id} within {timeout_s:.0f}s")
+            self.poll()
+            time.sleep(IDLE_POLL_S)
+        ev = self.events.pop(request_id)
+        return {"status": ev.status.value, "num_blocks": ev.num_blocks,
+                "digest": _digest(self.rows, blocks) if verify else None}
+
+    def teardown(self) -> None:
+        self.receiver = None
+        super().teardown()
+
+
+def _serve(conn: Connection, side: _Side, idle: Callable[[], None] | None) -> None:
+    """Answer commands until "stop"; between them call `idle` every IDLE_POLL_S (or just wait)."""
+    torch.set_num_threads(1)  # CMA copies in one thread; so do the references
+    import nixl_cu12._api  # noqa: F401  (sets up NIXL's logging, which we then quiet)
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    try:
+        while True:
+            if not conn.poll(IDLE_POLL_S if idle else 1.0):
+                if idle:
+                    idle()
+                continue
+            name, kwargs = conn.recv()  # EOFError when the coordinator is gone: exit
+            if name == "stop":
+                side.teardown()
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", getattr(side, name)(**kwargs)))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass
+
+
+def sender_main(conn: Connection) -> None:
+    _serve(conn, SenderSide(), None)
+
+
+def receiver_main(conn: Connection) -> None:
+    side = ReceiverSide()
+    _serve(conn, side, side.poll)
