@@ -199,6 +199,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     max_waiting: int | None = None  # None: unbounded queue
+    # A prefill chunk takes at most this many tokens before waiting requests are admitted;
+    # what is left of the budget then tops it up. None: a quarter of the budget.
+    long_prefill_token_threshold: int | None = None
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 4)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

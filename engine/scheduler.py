@@ -2,8 +2,10 @@
 
 Each `schedule()` fills one step: running sequences first (decodes, then unfinished
 prefill chunks), then waiting ones by (priority, arrival), within a token budget, a
-sequence cap and the KV blocks the pool can give. A long prompt is cut into chunks of at
-most the remaining budget, so decodes run every step beside it. When blocks run out a
+sequence cap and the KV blocks the pool can give. A long prompt is cut into chunks, so
+decodes run every step beside it; a chunk first takes at most `prefill_chunk_cap` tokens
+so that waiting prompts are admitted in the same step, then what is left of the budget
+tops the cut chunks up. A long prompt never holds a short one back by more than a step. When blocks run out a
 running sequence is preempted by recompute: the least important (highest priority value,
 newest) gives its blocks back and returns to the waiting queue with its output kept.
 
@@ -205,12 +207,13 @@ class Scheduler:
         self.running.sort(key=lambda s: (s.priority, s.arrival))
         decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        cap = self.config.prefill_chunk_cap
         for seq in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, cap)
             table, refund = self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out)
             budget += refund
             if table is None:
@@ -219,6 +222,8 @@ class Scheduler:
             budget -= num_new
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
+        if budget > 0:
+            self._top_up(out, budget)
         # Decodes first, then prefill chunks: the runner batches single-token queries together.
         out.chunks.sort(key=lambda c: c.num_new > 1)
         return out
@@ -262,7 +267,7 @@ class Scheduler:
                 self.awaiting_kv[seq.request_id] = seq
                 out.remote_prefills.append(RemotePrefill(seq, table, num_cached, self.kv.block_size))
                 continue
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget, self.config.prefill_chunk_cap)
             table = self.kv.allocate_slots(seq.request_id, num_cached + num_new, cached_blocks)
             if table is None:
                 break  # wait for blocks; admission keeps priority order
@@ -275,6 +280,24 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, num_cached, num_new, table))
             budget -= num_new
         return budget
+
+    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+        """Give the budget left after admission to prefill chunks that the cap cut short,
+        those closest to done first (a short prompt finishes in this step)."""
+        order = sorted(range(len(out.chunks)), key=lambda i: out.chunks[i].seq.num_tokens - out.chunks[i].context_len)
+        for i in order:
+            chunk = out.chunks[i]
+            if budget == 0:
+                return
+            seq = chunk.seq
+            extra = min(seq.num_tokens - chunk.context_len, budget)
+            if extra <= 0:
+                continue
+            table = self.kv.allocate_slots(seq.request_id, chunk.context_len + extra)
+            if table is None:
+                return  # no preemption for a top-up: the step is already full enough
+            out.chunks[i] = ScheduledChunk(seq, chunk.start, chunk.num_new + extra, table)
+            budget -= extra
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SequenceUpdate]:
         """Advance progress counters, append sampled tokens, finish and free what ended."""

@@ -185,3 +185,18 @@ def test_random_workload_completes_without_leaks():
     finished = run_to_end(s)
     assert len(finished) == 40
     assert_no_leak(s)
+
+
+def test_a_long_prompt_never_holds_a_short_one_back_more_than_a_step():
+    s = make(num_blocks=128, block_size=4, budget=16)
+    s.add(seq("long", 100, max_tokens=1))
+    out = s.schedule()
+    assert [c.num_new for c in out.chunks] == [16]  # alone: the cap's top-up fills the budget
+    s.update_from_output(out, fake_tokens(out))
+    s.add(seq("short", 6, max_tokens=1, base=70))
+    out = s.schedule()
+    chunks = {c.seq.request_id: c.num_new for c in out.chunks}
+    assert chunks["short"] == 6, "the short prompt must run whole beside the long one's next chunk"
+    assert chunks["long"] == 10 and out.num_tokens == 16
+    run_to_end(s)
+    assert_no_leak(s)
