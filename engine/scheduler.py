@@ -168,6 +168,7 @@ class Scheduler:
         if seq is None:
             return None
         seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.remote_prefill = False  # a later preemption recomputes here (prompt and output)
         self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
         seq.append_token(first_token)
         reason = self._finish_reason(seq, first_token)

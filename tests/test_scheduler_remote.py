@@ -109,3 +109,21 @@ def test_remote_reservation_waits_for_blocks():
     s.remote_kv_ready("r", 7)
     run_to_end(s)
     assert_no_leak(s)
+
+
+def test_a_preempted_remote_request_is_recomputed_locally():
+    s = make(num_blocks=6, block_size=4, budget=64)
+    s.add(remote("r", 8, max_tokens=12, priority=5))  # the less important one: the victim
+    s.schedule()
+    s.remote_kv_ready("r", 7)
+    s.add(seq("local", 8, max_tokens=12, base=40))
+    remote_again, preempted = [], []
+    for _ in range(200):  # bounded: a request stuck waiting for remote KV must fail, not hang
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        remote_again += out.remote_prefills
+        preempted += out.preempted
+        s.update_from_output(out, fake_tokens(out))
+    assert "r" in preempted and not remote_again
+    assert_no_leak(s)
