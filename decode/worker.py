@@ -265,15 +265,3 @@ class DecodeWorker(EngineLoop):
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.out.put(msg)
-
-    # -- stats ----------------------------------------------------------------------------
-
-    def stats(self) -> pb.StatsResponse:
-        e = self.engine
-        return pb.StatsResponse(
-            worker=self.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
-            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
-            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
-            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
-            kv_blocks_transferred=self.kv_blocks_transferred,
-        )

@@ -156,13 +156,3 @@ class PrefillWorker(EngineLoop):
         if p.first_logprobs is not None:
             resp.first_logprobs.CopyFrom(logprobs_to_pb(p.first_logprobs))
         return resp
-
-    def stats(self) -> pb.StatsResponse:
-        e = self.engine
-        return pb.StatsResponse(
-            worker=self.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
-            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
-            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
-            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
-            kv_blocks_transferred=self.kv_blocks_transferred,
-        )

@@ -14,7 +14,8 @@ DEEP_HEALTH_TIMEOUT_S = 5.0
 
 
 class WorkerServiceMixin:
-    """Mixed into a servicer whose `worker` is an EngineLoop with `name`, `agent` and `stats()`."""
+    """Mixed into a servicer whose `worker` is an EngineLoop with `name`, `agent` and
+    `kv_blocks_transferred`."""
 
     worker: object
 
@@ -40,4 +41,12 @@ class WorkerServiceMixin:
         return pb.HealthResponse(ok=True, worker=self.worker.name)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        return self.worker.stats()
+        # Plain reads of counters the loop thread updates: each is consistent on its own.
+        w, e = self.worker, self.worker.engine
+        return pb.StatsResponse(
+            worker=w.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
+            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
+            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
+            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
+            kv_blocks_transferred=w.kv_blocks_transferred,
+        )
