@@ -100,13 +100,14 @@ class PrefillWorker(EngineLoop):
     def on_step(self, deltas: list[RequestOutput]) -> None:
         out = self.engine.last_output
         now = time.monotonic()
+        step_started = now - (self.engine.last_step.seconds if self.engine.last_step else 0.0)
         sampled = {d.request_id: d for d in deltas}
         for chunk in out.chunks if out is not None else ():
             p = self.requests.get(chunk.seq.request_id)
             if p is None:
                 continue
-            if p.first_chunk_at is None:
-                p.first_chunk_at = now
+            if p.first_chunk_at is None:  # queue time ends when its first chunk's step began
+                p.first_chunk_at = step_started
                 p.num_cached_tokens = chunk.seq.num_cached_tokens
             delta = sampled.get(p.request_id)
             if delta is not None:  # the prompt is done: push the rest, the partial last block too
