@@ -1,0 +1,34 @@
+"""python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import uvicorn
+
+from engine.model_source import resolve_model
+from gateway.app import GatewayConfig, create_app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m gateway", description="pdserve OpenAI-compatible gateway")
+    ap.add_argument("--model", default="smollm2", help="the model the workers serve (for its tokenizer)")
+    ap.add_argument("--served-name", default=None, help="the name clients use (default: the model folder's name)")
+    ap.add_argument("--decode", action="append", required=True, help="decode worker address (repeatable)")
+    ap.add_argument("--prefill", action="append", default=[], help="prefill worker address (repeatable)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    path = resolve_model(args.model)
+    name = args.served_name or (args.model if "/" not in args.model else path.name)
+    # config.json directly: the gateway never imports torch (engine.config does)
+    max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
+    config = GatewayConfig(name, path, args.decode, args.prefill, max_len)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

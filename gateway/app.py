@@ -1,0 +1,306 @@
+"""The OpenAI-compatible HTTP front door (DESIGN.md steps 1-4 and 10-11). Never imports torch.
+
+    POST /v1/chat/completions, POST /v1/completions   (stream or not)
+    GET  /v1/models, /health, /ready, /metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.tokenizer import ChatTemplateError, Tokenizer
+from gateway.backend import Backend
+from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.router import Router
+from gateway.text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+REQUESTS = Counter("pdserve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"])
+TTFT = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+E2E = Histogram("pdserve_e2e_seconds", "Request latency", buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
+    "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
+    "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
+    "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
+}.items()}
+
+_FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
+
+
+@dataclass
+class GatewayConfig:
+    model_name: str  # what clients put in "model"
+    model_path: Path  # local folder with the tokenizer
+    decode: list[str]
+    prefill: list[str] = field(default_factory=list)
+    max_model_len: int = 8192
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int | None = None  # default: the context limit
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    tokenizer = Tokenizer.from_pretrained(config.model_path)
+    router = Router(config.decode, config.prefill)
+    backend = Backend(config.decode, config.prefill)
+    ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await backend.close()
+
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
+            return JSONResponse({"error": {"message": f"request body over {config.max_body_bytes} bytes",
+                                           "type": "invalid_request_error", "param": None, "code": None}}, 413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if time.monotonic() - ready_cache["at"] > 2.0:
+            decode_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.decode))
+            prefill_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.prefill))
+            for w, ok in zip(router.decode + router.prefill, decode_ok + prefill_ok):
+                w.healthy = ok
+            ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not config.prefill or any(prefill_ok)))
+        status = 200 if ready_cache["ok"] else 503
+        return JSONResponse({"ready": bool(ready_cache["ok"])}, status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for address, s in (await backend.all_stats()).items():
+            if s is None:
+                continue
+            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
+                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
+                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                      "kv_blocks_transferred": s.kv_blocks_transferred}
+            for name, value in values.items():
+                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "pdserve", "max_model_len": config.max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        try:
+            prompt = await asyncio.to_thread(_chat_ids, messages)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+        return await _serve("chat", body, prompt, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
+        else:
+            prompt = list(body.prompt)
+            if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
+        return await _serve("completion", body, prompt, request)
+
+    def _chat_ids(messages: list[dict]) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def _check_model(name: str) -> None:
+        if name != config.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {config.model_name!r}",
+                           "model", "model_not_found")
+
+    def _params(body, prompt_len: int) -> pb.SamplingParams:
+        limit = config.max_model_len - prompt_len
+        max_tokens = body.output_limit if body.output_limit is not None else limit
+        if prompt_len > (config.max_prompt_tokens or config.max_model_len) or max_tokens > limit:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                                f"limit of {config.max_model_len} tokens", "max_tokens" if limit > 0 else "messages")
+        p = pb.SamplingParams(max_tokens=max_tokens)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "seed"):
+            value = getattr(body, name)
+            if value is not None:
+                setattr(p, name, value)
+        if body.logit_bias:
+            for key, value in body.logit_bias.items():
+                if int(key) >= tokenizer.vocab_size:
+                    raise APIError(400, f"logit_bias key {key} is not a token id of this model", "logit_bias")
+                p.logit_bias[int(key)] = value
+        if body.num_logprobs is not None:
+            p.logprobs = body.num_logprobs
+        return p
+
+    async def _serve(kind: str, body, prompt: list[int], request: Request):
+        endpoint = "chat" if kind == "chat" else "completions"
+        params = _params(body, len(prompt))
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+                                 prefill_workers=router.rank_prefill(prompt))
+        started = time.monotonic()
+        worker = router.pick_decode()
+        cost = len(prompt) + params.max_tokens
+        worker.outstanding_tokens += cost
+        try:
+            call, first = await _start(worker.address, req)
+        except BaseException:
+            worker.outstanding_tokens -= cost
+            REQUESTS.labels(endpoint, "error").inc()
+            raise
+        TTFT.observe(time.monotonic() - started)
+        stream = _responses(kind, body, rid, call, first, len(prompt), started, endpoint)
+
+        async def released():
+            try:
+                async for item in stream:
+                    yield item
+            finally:
+                worker.outstanding_tokens -= cost
+                call.cancel()  # a client that left, or a stop string: the decode worker aborts
+
+        if body.stream:
+            return StreamingResponse(_sse(kind, rid, body, released()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await _collect(kind, released(), rid, body))
+
+    async def _start(address: str, req: pb.GenerateRequest):
+        """Open the Generate stream and wait for its first message (admission errors surface here)."""
+        call = backend.generate(address, req, config.request_timeout_s)
+        try:
+            first = await call.read()
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise APIError(400, e.details()) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"}) from None
+            raise APIError(503, f"decode worker unavailable ({code.name})") from None
+        if first is grpc.aio.EOF:
+            raise APIError(503, "decode worker closed the stream")
+        return call, first
+
+    async def _responses(kind, body, rid, call, first, prompt_len, started, endpoint) -> AsyncIterator[dict]:
+        """Each engine step's text as an event dict; the last carries finish_reason and usage."""
+        text = TextStream(tokenizer, body.stop or [])
+        msg, completion_tokens, status = first, 0, "ok"
+        while True:
+            completion_tokens += len(msg.token_ids)
+            delta = text.push(list(msg.token_ids))
+            finish = _FINISH.get(msg.finish_reason)
+            if text.stopped:
+                finish = "stop"
+            elif finish is not None:
+                delta += text.finish()
+            if msg.error.code != pb.ERROR_NONE:
+                status = "error"
+                yield {"error": {"message": msg.error.message, "type": "server_error", "param": None,
+                                 "code": pb.ErrorCode.Name(msg.error.code)}}
+                break
+            if delta or finish:
+                yield {"text": delta, "finish_reason": finish}
+            if finish is not None:
+                usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_len + completion_tokens}
+                if msg.usage.cached_prompt_tokens:
+                    usage["prompt_tokens_details"] = {"cached_tokens": msg.usage.cached_prompt_tokens}
+                yield {"usage": usage}
+                break
+            try:
+                msg = await call.read()
+            except grpc.RpcError as e:
+                status = "error"
+                yield {"error": {"message": f"decode worker failed mid-stream ({e.code().name})",
+                                 "type": "server_error", "param": None, "code": None}}
+                break
+            if msg is grpc.aio.EOF:
+                status = "error"
+                yield {"error": {"message": "decode worker ended the stream early", "type": "server_error",
+                                 "param": None, "code": None}}
+                break
+        REQUESTS.labels(endpoint, status).inc()
+        E2E.observe(time.monotonic() - started)
+
+    async def _sse(kind: str, rid: str, body, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+        """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""
+        base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": config.model_name}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        first = True
+        async for ev in events:
+            if "error" in ev:
+                yield _data(ev)
+                break
+            if "usage" in ev:
+                if include_usage:
+                    yield _data({**base, "choices": [], "usage": ev["usage"]})
+                continue
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ev["text"]} if first else {"content": ev["text"]}
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev["finish_reason"]}
+            else:
+                choice = {"index": 0, "text": ev["text"], "logprobs": None, "finish_reason": ev["finish_reason"]}
+            first = False
+            yield _data({**base, "choices": [choice]})
+        yield b"data: [DONE]\n\n"
+
+    async def _collect(kind, events: AsyncIterator[dict], rid, body) -> dict:
+        text, finish, usage = [], None, None
+        async for ev in events:
+            if "error" in ev:
+                raise APIError(503, ev["error"]["message"])
+            if "usage" in ev:
+                usage = ev["usage"]
+            else:
+                text.append(ev["text"])
+                finish = ev["finish_reason"] or finish
+        content = "".join(text)
+        if kind == "completion" and body.echo and isinstance(body.prompt, str):
+            content = body.prompt + content
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                   "finish_reason": finish} if kind == "chat" else
+                  {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
+        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": config.model_name, "choices": [choice], "usage": usage}
+
+    return app
+
+
+def _data(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()

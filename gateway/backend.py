@@ -1,0 +1,52 @@
+"""The gateway's gRPC side: Generate streams to decode workers, health and stats of all."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc import aio
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+
+
+class Backend:
+    def __init__(self, decode: list[str], prefill: list[str]):
+        self._channels: dict[str, aio.Channel] = {}
+        self.decode = decode
+        self.prefill = prefill
+
+    def _channel(self, address: str) -> aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = aio.insecure_channel(address)
+        return ch
+
+    def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> aio.UnaryStreamCall:
+        return pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
+
+    def _stub(self, address: str):
+        ch = self._channel(address)
+        return pb_grpc.DecodeWorkerStub(ch) if address in self.decode else pb_grpc.PrefillWorkerStub(ch)
+
+    async def health(self, address: str, deep: bool, timeout: float = 3.0) -> bool:
+        try:
+            resp = await self._stub(address).Health(pb.HealthRequest(deep=deep), timeout=timeout)
+            return resp.ok
+        except grpc.RpcError:
+            return False
+
+    async def stats(self, address: str, timeout: float = 1.0) -> pb.StatsResponse | None:
+        try:
+            return await self._stub(address).Stats(pb.StatsRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+
+    async def all_stats(self) -> dict[str, pb.StatsResponse | None]:
+        addresses = self.decode + self.prefill
+        results = await asyncio.gather(*(self.stats(a) for a in addresses))
+        return dict(zip(addresses, results))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(ch.close() for ch in self._channels.values()))

@@ -1,0 +1,109 @@
+"""The OpenAI request bodies the gateway accepts (pydantic), and the engine fields they map to.
+
+Unknown fields are ignored (clients send vendor extras); known fields are range-checked
+so a bad value is a 400 that names the field, never an error inside the system.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, value in v.items():
+            if not key.isdigit():
+                raise ValueError(f"key {key!r} is not a token id")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"value for token {key} must be in [-100, 100]")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:  # only text parts are supported
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] = Field(min_length=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs

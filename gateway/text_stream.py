@@ -1,0 +1,44 @@
+"""Token ids -> text deltas for one response: UTF-8-safe detokenization and stop strings.
+
+Text that could be the start of a stop string is held back until it is known not to be
+one, so a stop string is never sent, even split across tokens.
+"""
+
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.tokenizer import Tokenizer
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._pending = ""
+        self.stopped = False  # a stop string was found: the caller ends the stream
+
+    def push(self, token_ids: list[int]) -> str:
+        """Text to send now for these new tokens."""
+        if self.stopped:
+            return ""
+        return self._emit(self._pending + self._detok.step(token_ids), final=False)
+
+    def finish(self) -> str:
+        """Whatever was held back, at the end of the generation."""
+        if self.stopped:
+            return ""
+        return self._emit(self._pending + self._detok.flush(), final=True)
+
+    def _emit(self, text: str, final: bool) -> str:
+        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._pending = ""
+            return text[:cut]
+        if final or not self._stop:
+            self._pending = ""
+            return text
+        keep = min(self._hold, len(text))
+        self._pending = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
