@@ -1,0 +1,160 @@
+"""The gateway in front of real prefill and decode processes (SmolLM2, float32), driven by
+the official `openai` client and by raw HTTP for what a client library hides."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from tests.worker_procs import REPO, start_workers, wait_idle
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def system(smollm2_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    args = ["--dtype", "float32", "--kv-blocks", "512"]
+    prefill, decode = start_workers([("prefill", args, {}), ("decode", args, {})], smollm2_dir, logs, timeout_s=120)
+    port = _free_port()
+    log = open(logs / "gateway.log", "wb")
+    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
+                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port)],
+                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, (logs / "gateway.log").read_text()[-2000:]
+            time.sleep(0.1)
+        yield url, prefill, decode
+    finally:
+        gw.terminate()
+        gw.wait(10)
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="module")
+def client(system):
+    return OpenAI(base_url=f"{system[0]}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_health_and_ready(system, client):
+    url = system[0]
+    assert [m.id for m in client.models.list()] == ["smollm2"]
+    assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    full = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0)
+    assert "Paris" in full.choices[0].message.content
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+    parts, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        else:
+            usage = chunk.usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert finish == "stop" and usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_completion_stop_string_ends_the_text(client):
+    free = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=24, temperature=0)
+    text = free.choices[0].text
+    stop = text.strip().split()[2]
+    cut = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+
+
+def test_tokens_are_flushed_per_step_while_the_request_runs(system):
+    url, _, decode = system
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    body["ignore_eos"] = True  # unknown to OpenAI: ignored, so the output length is up to the model
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        running = decode.stats().running_requests  # the first chunk is out before generation ended
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(first[6:])["choices"][0]["text"] is not None
+    assert running == 1 and rest[-1] == "data: [DONE]" and len(rest) > 3
+
+
+def test_client_disconnect_frees_the_blocks(system):
+    url, prefill, decode = system
+    body = {"model": "smollm2", "messages": CHAT, "max_tokens": 500, "temperature": 0.8, "seed": 1,
+            "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+        next(line for line in resp.iter_lines() if line.startswith("data: "))
+    for w in (decode, prefill):  # closed mid-stream: the decode worker aborts, blocks come back
+        s = wait_idle(w)
+        assert s.free_blocks == s.total_blocks and s.running_requests == 0 and s.waiting_requests == 0
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    ({"model": "smollm2", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ({"model": "smollm2", "messages": CHAT, "temperature": 3}, 400, "temperature"),
+    ({"model": "smollm2", "messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ({"model": "smollm2", "messages": CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
+    ({"model": "smollm2", "messages": []}, 400, "messages"),
+    ({"model": "smollm2", "messages": CHAT, "n": 2}, 400, "n"),
+    ({"model": "smollm2", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "messages": CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, None),
+    ({"model": "gpt-5", "messages": CHAT}, 404, "model"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+])
+def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(system, client, body, status, param):
+    url = system[0]
+    if isinstance(body, bytes):
+        resp = httpx.post(f"{url}/v1/chat/completions", content=body, timeout=30,
+                          headers={"content-type": "application/json"})
+    else:
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+    ok = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, temperature=0)
+    assert ok.choices[0].message.content
+
+
+def test_oversized_body_is_413(system):
+    resp = httpx.post(f"{system[0]}/v1/completions", content=b"x" * (2 << 20), timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and "error" in resp.json()
+
+
+def test_openai_client_surfaces_the_errors(client):
+    with pytest.raises(NotFoundError):
+        client.chat.completions.create(model="other", messages=CHAT)
+    with pytest.raises(BadRequestError, match="temperature"):
+        client.chat.completions.create(model="smollm2", messages=CHAT, temperature=-1)
