@@ -10,6 +10,7 @@ import uvicorn
 
 from engine.model_source import resolve_model
 from gateway.app import GatewayConfig, create_app
+from gateway.tenants import Tenants
 
 
 def main() -> None:
@@ -20,13 +21,15 @@ def main() -> None:
     ap.add_argument("--prefill", action="append", default=[], help="prefill worker address (repeatable)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--tenants", help="JSON file of tenants and their API keys (default: open, no keys)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model)
     name = args.served_name or (args.model if "/" not in args.model else path.name)
     # config.json directly: the gateway never imports torch (engine.config does)
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
-    config = GatewayConfig(name, path, args.decode, args.prefill, max_len)
+    tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
+    config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
 
 

@@ -29,6 +29,7 @@ from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import Router
+from gateway.tenants import Tenants
 from gateway.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # default: the context limit
+    tenants: Tenants = field(default_factory=Tenants)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -116,6 +118,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
+        tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -125,10 +128,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompt = await asyncio.to_thread(_chat_ids, messages)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        return await _serve("chat", body, prompt, request)
+        return await _serve("chat", body, prompt, tenant)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
         if isinstance(body.prompt, str):
             prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
@@ -136,7 +140,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompt = list(body.prompt)
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
-        return await _serve("completion", body, prompt, request)
+        return await _serve("completion", body, prompt, tenant)
 
     def _chat_ids(messages: list[dict]) -> list[int]:
         return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -167,21 +171,27 @@ def create_app(config: GatewayConfig) -> FastAPI:
             p.logprobs = body.num_logprobs
         return p
 
-    async def _serve(kind: str, body, prompt: list[int], request: Request):
+    async def _serve(kind: str, body, prompt: list[int], tenant):
         endpoint = "chat" if kind == "chat" else "completions"
         params = _params(body, len(prompt))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
-        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params,
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
                                  prefill_workers=router.rank_prefill(prompt))
         started = time.monotonic()
-        worker = router.pick_decode()
         cost = len(prompt) + params.max_tokens
+        try:
+            tenant.admit(cost)
+        except APIError:
+            REQUESTS.labels(endpoint, "429").inc()
+            raise
+        worker = router.pick_decode()
         worker.outstanding_tokens += cost
         try:
             call, first = await _start(worker.address, req)
         except BaseException:
             worker.outstanding_tokens -= cost
+            tenant.release(cost)
             REQUESTS.labels(endpoint, "error").inc()
             raise
         TTFT.observe(time.monotonic() - started)
@@ -193,6 +203,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     yield item
             finally:
                 worker.outstanding_tokens -= cost
+                tenant.release(cost)
                 call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:

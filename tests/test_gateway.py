@@ -93,8 +93,7 @@ def test_completion_stop_string_ends_the_text(client):
 def test_tokens_are_flushed_per_step_while_the_request_runs(system):
     url, _, decode = system
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
-            "stream": True}
-    body["ignore_eos"] = True  # unknown to OpenAI: ignored, so the output length is up to the model
+            "stream": True, "logit_bias": {"2": -100}}  # EOS (<|im_end|>) banned: all 200 tokens come
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -108,7 +107,7 @@ def test_tokens_are_flushed_per_step_while_the_request_runs(system):
 def test_client_disconnect_frees_the_blocks(system):
     url, prefill, decode = system
     body = {"model": "smollm2", "messages": CHAT, "max_tokens": 500, "temperature": 0.8, "seed": 1,
-            "stream": True}
+            "stream": True, "logit_bias": {"2": -100}}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
         next(line for line in resp.iter_lines() if line.startswith("data: "))
     for w in (decode, prefill):  # closed mid-stream: the decode worker aborts, blocks come back
@@ -158,3 +157,57 @@ def test_openai_client_surfaces_the_errors(client):
         client.chat.completions.create(model="other", messages=CHAT)
     with pytest.raises(BadRequestError, match="temperature"):
         client.chat.completions.create(model="smollm2", messages=CHAT, temperature=-1)
+
+
+@pytest.fixture(scope="module")
+def tenant_gateway(system, smollm2_dir, tmp_path_factory):
+    """A second gateway over the same workers, with API keys: tenant a (1 request at a time), b."""
+    _, prefill, decode = system
+    folder = tmp_path_factory.mktemp("tenants")
+    (folder / "tenants.json").write_text(json.dumps({"tenants": [
+        {"name": "a", "api_keys": ["key-a"], "max_concurrent": 1},
+        {"name": "b", "api_keys": ["key-b"], "max_concurrent": 4, "priority": 1},
+    ]}))
+    port = _free_port()
+    log = open(folder / "gateway.log", "wb")
+    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
+                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port),
+                           "--tenants", str(folder / "tenants.json")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, (folder / "gateway.log").read_text()[-2000:]
+            time.sleep(0.1)
+        yield url
+    finally:
+        gw.terminate()
+        gw.wait(10)
+    assert b"key-a" not in (folder / "gateway.log").read_bytes()  # keys are never logged
+
+
+def test_api_keys_and_tenant_isolation(tenant_gateway):
+    url = tenant_gateway
+    body = {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30).status_code == 401
+    wrong = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    hold = {**body, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}  # no EOS: it runs long
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=hold, timeout=60,
+                      headers={"authorization": "Bearer key-a"}) as first:
+        lines = first.iter_lines()  # keep a reference: a collected iterator closes the stream
+        first_line = next(line for line in lines if line.startswith("data: "))  # a at its limit
+        assert "error" not in json.loads(first_line[6:]), first_line
+        again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30,
+                           headers={"authorization": "Bearer key-a"})
+        assert again.status_code == 429 and again.headers["retry-after"] == "1"
+        other = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+                           headers={"authorization": "Bearer key-b"})
+        assert other.status_code == 200  # tenant b is not held back by a
+    after = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers={"authorization": "Bearer key-a"})
+    assert after.status_code == 200  # a's slot came back when its stream closed

@@ -1,0 +1,79 @@
+"""API keys -> tenants, each with a concurrency limit, a queued-token limit and a priority.
+
+With no keys configured the gateway runs open (one anonymous tenant, local use). Keys are
+compared in constant time and never logged; a tenant at its limit gets 429 at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gateway.errors import APIError
+
+
+@dataclass
+class Tenant:
+    name: str
+    max_concurrent: int = 64
+    max_queued_tokens: int = 1 << 20  # prompt + max_tokens of this tenant's requests in flight
+    priority: int = 0  # lower runs first on the workers
+    in_flight: int = 0
+    queued_tokens: int = 0
+
+    def admit(self, tokens: int) -> None:
+        if self.in_flight >= self.max_concurrent:
+            raise APIError(429, f"tenant {self.name}: {self.max_concurrent} concurrent requests is the limit",
+                           code="tenant_concurrency_limit", headers={"Retry-After": "1"})
+        if self.queued_tokens + tokens > self.max_queued_tokens:
+            raise APIError(429, f"tenant {self.name}: {self.max_queued_tokens} tokens in flight is the limit",
+                           code="tenant_token_limit", headers={"Retry-After": "1"})
+        self.in_flight += 1
+        self.queued_tokens += tokens
+
+    def release(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.queued_tokens -= tokens
+
+
+@dataclass
+class Tenants:
+    by_key: dict[str, Tenant] = field(default_factory=dict)
+    anonymous: Tenant = field(default_factory=lambda: Tenant("anonymous"))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Tenants:
+        """{"tenants": [{"name": ..., "api_keys": [...], "max_concurrent": .., "max_queued_tokens": ..,
+        "priority": ..}]}"""
+        data = json.loads(Path(path).read_text())
+        by_key: dict[str, Tenant] = {}
+        for entry in data.get("tenants", []):
+            keys = entry.pop("api_keys", [])
+            if not keys:
+                raise ValueError(f"tenant {entry.get('name')!r} has no api_keys")
+            tenant = Tenant(**entry)
+            for key in keys:
+                if key in by_key:
+                    raise ValueError(f"an API key of tenant {tenant.name!r} is also used by {by_key[key].name!r}")
+                by_key[key] = tenant
+        return cls(by_key)
+
+    @property
+    def open(self) -> bool:
+        return not self.by_key
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if self.open:
+            return self.anonymous
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        found = None
+        for known, tenant in self.by_key.items():  # every key compared, in constant time
+            if hmac.compare_digest(known.encode(), key.encode()):
+                found = tenant
+        if found is None:
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+        return found
