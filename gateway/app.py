@@ -43,6 +43,10 @@ WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name
     "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
 }.items()}
 
+class WorkerUnavailable(APIError):
+    """The decode worker failed before sending anything: the request may go to another."""
+
+
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
 
 
@@ -57,6 +61,7 @@ class GatewayConfig:
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # default: the context limit
     tenants: Tenants = field(default_factory=Tenants)
+    health_interval_s: float = 2.0  # deep health of every worker; failing ones are skipped
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -65,9 +70,30 @@ def create_app(config: GatewayConfig) -> FastAPI:
     backend = Backend(config.decode, config.prefill)
     ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
 
+    async def refresh_health() -> bool:
+        """Deep-check every worker; the router skips the ones that fail. True if ready."""
+        decode_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.decode))
+        prefill_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.prefill))
+        for w, ok in zip(router.decode + router.prefill, decode_ok + prefill_ok):
+            if w.healthy != ok:
+                log.info("worker %s is %s", w.address, "healthy again" if ok else "failing deep health")
+            w.healthy = ok
+        ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not config.prefill or any(prefill_ok)))
+        return bool(ready_cache["ok"])
+
+    async def health_loop() -> None:
+        while True:
+            await asyncio.sleep(config.health_interval_s)
+            try:
+                await refresh_health()
+            except Exception:  # never let the loop die; the next round tries again
+                log.exception("health check round failed")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        task = asyncio.create_task(health_loop())
         yield
+        task.cancel()
         await backend.close()
 
     app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
@@ -89,12 +115,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if time.monotonic() - ready_cache["at"] > 2.0:
-            decode_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.decode))
-            prefill_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.prefill))
-            for w, ok in zip(router.decode + router.prefill, decode_ok + prefill_ok):
-                w.healthy = ok
-            ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not config.prefill or any(prefill_ok)))
+        if time.monotonic() - ready_cache["at"] > config.health_interval_s:
+            await refresh_health()
         status = 200 if ready_cache["ok"] else 503
         return JSONResponse({"ready": bool(ready_cache["ok"])}, status)
 
@@ -185,15 +207,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except APIError:
             REQUESTS.labels(endpoint, "429").inc()
             raise
-        worker = router.pick_decode()
-        worker.outstanding_tokens += cost
-        try:
-            call, first = await _start(worker.address, req)
-        except BaseException:
-            worker.outstanding_tokens -= cost
-            tenant.release(cost)
-            REQUESTS.labels(endpoint, "error").inc()
-            raise
+        tried: set[str] = set()
+        while True:  # a decode worker that fails before the first token: once more on another
+            worker = router.pick_decode(exclude=tried)
+            worker.outstanding_tokens += cost
+            try:
+                call, first = await _start(worker.address, req)
+                break
+            except BaseException as e:
+                worker.outstanding_tokens -= cost
+                retry = isinstance(e, WorkerUnavailable) and not tried and router.has_other_decode(worker)
+                if retry:
+                    log.info("request %s: decode worker %s unavailable, retrying on another", rid, worker.address)
+                    worker.healthy = False
+                    tried.add(worker.address)
+                    continue
+                tenant.release(cost)
+                REQUESTS.labels(endpoint, "error").inc()
+                raise
         TTFT.observe(time.monotonic() - started)
         stream = _responses(kind, body, rid, call, first, len(prompt), started, endpoint)
 
@@ -222,9 +253,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 raise APIError(400, e.details()) from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"}) from None
-            raise APIError(503, f"decode worker unavailable ({code.name})") from None
+            raise WorkerUnavailable(503, f"decode worker unavailable ({code.name})") from None
         if first is grpc.aio.EOF:
-            raise APIError(503, "decode worker closed the stream")
+            raise WorkerUnavailable(503, "decode worker closed the stream")
         return call, first
 
     async def _responses(kind, body, rid, call, first, prompt_len, started, endpoint) -> AsyncIterator[dict]:

@@ -27,9 +27,14 @@ class Router:
         self.prefill = [WorkerState(a) for a in prefill]
         self.block_size = block_size
 
-    def pick_decode(self) -> WorkerState:
-        live = [w for w in self.decode if w.healthy] or self.decode
+    def pick_decode(self, exclude: set[str] = frozenset()) -> WorkerState:
+        """The healthy decode worker with the least outstanding tokens (any, if none is healthy)."""
+        candidates = [w for w in self.decode if w.address not in exclude] or self.decode
+        live = [w for w in candidates if w.healthy] or candidates
         return min(live, key=lambda w: w.outstanding_tokens)
+
+    def has_other_decode(self, worker: WorkerState) -> bool:
+        return any(w is not worker for w in self.decode)
 
     def rank_prefill(self, prompt: list[int]) -> list[str]:
         """Prefill workers, the prompt's favourite first (healthy ones only)."""

@@ -211,3 +211,34 @@ def test_api_keys_and_tenant_isolation(tenant_gateway):
         assert other.status_code == 200  # tenant b is not held back by a
     after = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers={"authorization": "Bearer key-a"})
     assert after.status_code == 200  # a's slot came back when its stream closed
+
+
+def test_a_decode_worker_failing_before_the_first_token_is_retried_on_another(system, smollm2_dir, tmp_path):
+    """The first decode worker in the list is a closed port; the request goes to the next one."""
+    _, prefill, decode = system
+    dead = f"127.0.0.1:{_free_port()}"
+    port = _free_port()
+    log_path = tmp_path / "gateway.log"
+    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
+                           "--decode", dead, "--decode", decode.address, "--prefill", prefill.address,
+                           "--port", str(port), "--health-interval", "3600"],  # no health round marks it first
+                          cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.1)
+        resp = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"model": "smollm2", "messages": CHAT, "max_tokens": 8, "temperature": 0})
+        assert resp.status_code == 200 and "Paris" in resp.json()["choices"][0]["message"]["content"]
+        assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}  # one live decode worker is enough
+    finally:
+        gw.terminate()
+        gw.wait(10)
+    assert f"decode worker {dead} unavailable, retrying on another" in log_path.read_text()
