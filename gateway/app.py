@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.rpc import pdserve_pb2 as pb
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from gateway.admission import Admission
 from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,6 +63,7 @@ class GatewayConfig:
     max_prompt_tokens: int | None = None  # default: the context limit
     tenants: Tenants = field(default_factory=Tenants)
     health_interval_s: float = 2.0  # deep health of every worker; failing ones are skipped
+    max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer (None: never shed)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -69,6 +71,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     router = Router(config.decode, config.prefill)
     backend = Backend(config.decode, config.prefill)
     ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
+    admission = Admission(config.max_ttft_s)
 
     async def refresh_health() -> bool:
         """Deep-check every worker; the router skips the ones that fail. True if ready."""
@@ -207,6 +210,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except APIError:
             REQUESTS.labels(endpoint, "429").inc()
             raise
+        try:
+            admission.admit(len(prompt))
+        except APIError:
+            tenant.release(cost)
+            REQUESTS.labels(endpoint, "429").inc()
+            raise
         tried: set[str] = set()
         while True:  # a decode worker that fails before the first token: once more on another
             worker = router.pick_decode(exclude=tried)
@@ -223,9 +232,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     tried.add(worker.address)
                     continue
                 tenant.release(cost)
+                admission.first_token(len(prompt), 0.0)
                 REQUESTS.labels(endpoint, "error").inc()
                 raise
-        TTFT.observe(time.monotonic() - started)
+        ttft = time.monotonic() - started
+        admission.first_token(len(prompt), ttft)
+        TTFT.observe(ttft)
         stream = _responses(kind, body, rid, call, first, len(prompt), started, endpoint)
 
         async def released():

@@ -242,3 +242,44 @@ def test_a_decode_worker_failing_before_the_first_token_is_retried_on_another(sy
         gw.terminate()
         gw.wait(10)
     assert f"decode worker {dead} unavailable, retrying on another" in log_path.read_text()
+
+
+def test_overload_is_shed_with_fast_429s(system, smollm2_dir, tmp_path):
+    """Past the predicted-TTFT bound the gateway answers 429 at once; admitted requests complete."""
+    import concurrent.futures
+
+    _, prefill, decode = system
+    port = _free_port()
+    log_path = tmp_path / "gateway.log"
+    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
+                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port),
+                           "--max-ttft", "1.5"], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert gw.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.1)
+        story = "Tell me a long story about the sea and its ships. " * 40  # ~450 tokens each
+
+        def ask(i):
+            return httpx.post(f"{url}/v1/completions", timeout=120,
+                              json={"model": "smollm2", "prompt": f"{i} {story}", "max_tokens": 2})
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            responses = list(pool.map(ask, range(12)))
+        codes = sorted(r.status_code for r in responses)
+        assert set(codes) <= {200, 429}, codes
+        assert 200 in codes and 429 in codes, codes  # some shed, the rest served
+        shed = next(r for r in responses if r.status_code == 429)
+        assert shed.json()["error"]["code"] == "overloaded" and int(shed.headers["retry-after"]) >= 1
+        ok = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200  # the queue drained: admitted again
+    finally:
+        gw.terminate()
+        gw.wait(10)
