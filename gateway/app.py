@@ -28,6 +28,7 @@ from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway.admission import Admission
 from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
+from gateway.logprobs import render as render_logprobs
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.router import Router
 from gateway.tenants import Tenants
@@ -288,7 +289,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                  "code": pb.ErrorCode.Name(msg.error.code)}}
                 break
             if delta or finish:
-                yield {"text": delta, "finish_reason": finish}
+                yield {"text": delta, "finish_reason": finish, "logprobs": list(msg.logprobs)}
             if finish is not None:
                 usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
                          "total_tokens": prompt_len + completion_tokens}
@@ -327,15 +328,17 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 continue
             if kind == "chat":
                 delta = {"role": "assistant", "content": ev["text"]} if first else {"content": ev["text"]}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": ev["finish_reason"]}
+                choice = {"index": 0, "delta": delta, "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
+                          "finish_reason": ev["finish_reason"]}
             else:
-                choice = {"index": 0, "text": ev["text"], "logprobs": None, "finish_reason": ev["finish_reason"]}
+                choice = {"index": 0, "text": ev["text"], "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
+                          "finish_reason": ev["finish_reason"]}
             first = False
             yield _data({**base, "choices": [choice]})
         yield b"data: [DONE]\n\n"
 
     async def _collect(kind, events: AsyncIterator[dict], rid, body) -> dict:
-        text, finish, usage = [], None, None
+        text, finish, usage, logprobs = [], None, None, []
         async for ev in events:
             if "error" in ev:
                 raise APIError(503, ev["error"]["message"])
@@ -343,13 +346,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 usage = ev["usage"]
             else:
                 text.append(ev["text"])
+                logprobs += ev["logprobs"]
                 finish = ev["finish_reason"] or finish
         content = "".join(text)
         if kind == "completion" and body.echo and isinstance(body.prompt, str):
             content = body.prompt + content
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+        rendered = render_logprobs(kind, tokenizer, logprobs)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": rendered,
                    "finish_reason": finish} if kind == "chat" else
-                  {"index": 0, "text": content, "logprobs": None, "finish_reason": finish})
+                  {"index": 0, "text": content, "logprobs": rendered, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": config.model_name, "choices": [choice], "usage": usage}
 

@@ -283,3 +283,18 @@ def test_overload_is_shed_with_fast_429s(system, smollm2_dir, tmp_path):
     finally:
         gw.terminate()
         gw.wait(10)
+
+
+def test_logprobs_in_openai_shapes(client):
+    chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the sampled token is the top one
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    comp = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
