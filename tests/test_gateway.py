@@ -3,6 +3,7 @@ the official `openai` client and by raw HTTP for what a client library hides."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -24,16 +25,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def system(smollm2_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    args = ["--dtype", "float32", "--kv-blocks", "512"]
-    prefill, decode = start_workers([("prefill", args, {}), ("decode", args, {})], smollm2_dir, logs, timeout_s=120)
+@contextlib.contextmanager
+def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: str):
+    """A `python -m gateway` process over the given workers; yields its URL once /health answers."""
     port = _free_port()
-    log = open(logs / "gateway.log", "wb")
-    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
-                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port)],
-                          cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    cmd = [sys.executable, "-m", "gateway", "--model", str(model_dir), "--served-name", "smollm2", "--port", str(port)]
+    cmd += [a for d in decode for a in ("--decode", d)] + [a for p in prefill for a in ("--prefill", p)]
+    gw = subprocess.Popen([*cmd, *extra], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -43,12 +41,23 @@ def system(smollm2_dir, tmp_path_factory):
                     break
             except httpx.HTTPError:
                 pass
-            assert gw.poll() is None and time.monotonic() < deadline, (logs / "gateway.log").read_text()[-2000:]
+            assert gw.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
             time.sleep(0.1)
-        yield url, prefill, decode
+        yield url
     finally:
         gw.terminate()
         gw.wait(10)
+
+
+@pytest.fixture(scope="module")
+def system(smollm2_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    args = ["--dtype", "float32", "--kv-blocks", "512"]
+    prefill, decode = start_workers([("prefill", args, {}), ("decode", args, {})], smollm2_dir, logs, timeout_s=120)
+    try:
+        with gateway(smollm2_dir, [decode.address], [prefill.address], logs / "gateway.log") as url:
+            yield url, prefill, decode
+    finally:
         prefill.stop()
         decode.stop()
 
@@ -168,26 +177,9 @@ def tenant_gateway(system, smollm2_dir, tmp_path_factory):
         {"name": "a", "api_keys": ["key-a"], "max_concurrent": 1},
         {"name": "b", "api_keys": ["key-b"], "max_concurrent": 4, "priority": 1},
     ]}))
-    port = _free_port()
-    log = open(folder / "gateway.log", "wb")
-    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
-                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port),
-                           "--tenants", str(folder / "tenants.json")], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert gw.poll() is None and time.monotonic() < deadline, (folder / "gateway.log").read_text()[-2000:]
-            time.sleep(0.1)
+    with gateway(smollm2_dir, [decode.address], [prefill.address], folder / "gateway.log",
+                 "--tenants", str(folder / "tenants.json")) as url:
         yield url
-    finally:
-        gw.terminate()
-        gw.wait(10)
     assert b"key-a" not in (folder / "gateway.log").read_bytes()  # keys are never logged
 
 
@@ -217,30 +209,14 @@ def test_a_decode_worker_failing_before_the_first_token_is_retried_on_another(sy
     """The first decode worker in the list is a closed port; the request goes to the next one."""
     _, prefill, decode = system
     dead = f"127.0.0.1:{_free_port()}"
-    port = _free_port()
     log_path = tmp_path / "gateway.log"
-    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
-                           "--decode", dead, "--decode", decode.address, "--prefill", prefill.address,
-                           "--port", str(port), "--health-interval", "3600"],  # no health round marks it first
-                          cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert gw.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
-            time.sleep(0.1)
+    # --health-interval: no health round marks the dead worker before the request tries it
+    with gateway(smollm2_dir, [dead, decode.address], [prefill.address], log_path,
+                 "--health-interval", "3600") as url:
         resp = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                           json={"model": "smollm2", "messages": CHAT, "max_tokens": 8, "temperature": 0})
         assert resp.status_code == 200 and "Paris" in resp.json()["choices"][0]["message"]["content"]
         assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}  # one live decode worker is enough
-    finally:
-        gw.terminate()
-        gw.wait(10)
     assert f"decode worker {dead} unavailable, retrying on another" in log_path.read_text()
 
 
@@ -249,22 +225,8 @@ def test_overload_is_shed_with_fast_429s(system, smollm2_dir, tmp_path):
     import concurrent.futures
 
     _, prefill, decode = system
-    port = _free_port()
-    log_path = tmp_path / "gateway.log"
-    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
-                           "--decode", decode.address, "--prefill", prefill.address, "--port", str(port),
-                           "--max-ttft", "1.5"], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert gw.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
-            time.sleep(0.1)
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
+                 "--max-ttft", "1.5") as url:
         story = "Tell me a long story about the sea and its ships. " * 40  # ~450 tokens each
 
         def ask(i):
@@ -280,9 +242,6 @@ def test_overload_is_shed_with_fast_429s(system, smollm2_dir, tmp_path):
         assert shed.json()["error"]["code"] == "overloaded" and int(shed.headers["retry-after"]) >= 1
         ok = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200  # the queue drained: admitted again
-    finally:
-        gw.terminate()
-        gw.wait(10)
 
 
 def test_logprobs_in_openai_shapes(client):
