@@ -25,6 +25,8 @@ def main() -> None:
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between deep health rounds")
     ap.add_argument("--max-ttft", type=float, default=60.0,
                     help="answer 429 at once when the predicted time to first token is over this (seconds)")
+    ap.add_argument("--max-output-tokens", type=int, default=None,
+                    help="cap on a request's max_tokens, and its default (default: the context limit)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model)
@@ -33,7 +35,8 @@ def main() -> None:
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
     tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
-                           health_interval_s=args.health_interval, max_ttft_s=args.max_ttft)
+                           health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
+                           max_output_tokens=args.max_output_tokens)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
 
 

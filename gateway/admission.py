@@ -1,7 +1,8 @@
 """Load shedding: refuse at once what would miss the TTFT bound anyway.
 
 Predicted TTFT = (prompt tokens admitted and still waiting for their first token + this
-prompt) / the measured prefill rate. The rate is learned from the system's own first
+prompt) / the measured prefill rate; and a prompt that no decode worker has KV headroom for
+would wait for running requests to finish, so it is refused too. The rate is learned from the system's own first
 tokens (an exponential moving average of prompt tokens per second of TTFT), so a 429 takes
 milliseconds instead of a client timing out after the queue finally reaches it.
 """
@@ -24,7 +25,10 @@ class Admission:
     def predicted_ttft(self, prompt_tokens: int) -> float:
         return (self.queued_tokens + prompt_tokens) / self.rate
 
-    def admit(self, prompt_tokens: int) -> None:
+    def admit(self, prompt_tokens: int, kv_room: bool = True) -> None:
+        if not kv_room:
+            raise APIError(429, f"overloaded: no decode worker has KV cache room for {prompt_tokens} prompt tokens "
+                                "now; retry later", code="overloaded", headers={"Retry-After": "1"})
         if self.max_ttft_s is not None:
             predicted = self.predicted_ttft(prompt_tokens)
             if predicted > self.max_ttft_s:

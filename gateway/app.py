@@ -65,6 +65,7 @@ class GatewayConfig:
     tenants: Tenants = field(default_factory=Tenants)
     health_interval_s: float = 2.0  # deep health of every worker; failing ones are skipped
     max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer (None: never shed)
+    max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -74,10 +75,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
     ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
     admission = Admission(config.max_ttft_s)
 
+    def observe_stats(stats: dict[str, pb.StatsResponse | None]) -> None:
+        """Workers' Stats into the router's KV headroom and the /metrics gauges."""
+        for w in router.decode:
+            s = stats.get(w.address)
+            if s is not None and s.block_size:
+                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
+        for address, s in stats.items():
+            if s is None:
+                continue
+            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
+                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
+                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                      "kv_blocks_transferred": s.kv_blocks_transferred}
+            for name, value in values.items():
+                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)
+
     async def refresh_health() -> bool:
-        """Deep-check every worker; the router skips the ones that fail. True if ready."""
+        """Deep-check every worker (the router skips the ones that fail) and read their Stats
+        (the router's KV headroom). True if ready."""
         decode_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.decode))
         prefill_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.prefill))
+        observe_stats(await backend.all_stats())
         for w, ok in zip(router.decode + router.prefill, decode_ok + prefill_ok):
             if w.healthy != ok:
                 log.info("worker %s is %s", w.address, "healthy again" if ok else "failing deep health")
@@ -126,15 +145,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for address, s in (await backend.all_stats()).items():
-            if s is None:
-                continue
-            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
-                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
-                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-                      "kv_blocks_transferred": s.kv_blocks_transferred}
-            for name, value in values.items():
-                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)
+        observe_stats(await backend.all_stats())
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -178,10 +189,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     def _params(body, prompt_len: int) -> pb.SamplingParams:
         limit = config.max_model_len - prompt_len
-        max_tokens = body.output_limit if body.output_limit is not None else limit
+        capacity = router.kv_capacity()  # the largest decode worker's KV cache, once known
+        if capacity is not None and prompt_len > capacity:
+            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+            raise APIError(413, f"prompt ({prompt_len} tokens) is larger than a decode worker's whole KV cache "
+                                f"({capacity} tokens)", param)
+        cap = config.max_output_tokens
+        if cap is not None and body.output_limit is not None and body.output_limit > cap:
+            raise APIError(400, f"max_tokens ({body.output_limit}) is over this server's limit of {cap}", "max_tokens")
+        default = min(limit, cap or limit, limit if capacity is None else capacity - prompt_len)
+        max_tokens = body.output_limit if body.output_limit is not None else default
         if prompt_len > (config.max_prompt_tokens or config.max_model_len) or max_tokens > limit:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
                                 f"limit of {config.max_model_len} tokens", "max_tokens" if limit > 0 else "messages")
+        if capacity is not None and prompt_len + max_tokens > capacity:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
+                                f"a decode worker has ({capacity} tokens)", "max_tokens")
         p = pb.SamplingParams(max_tokens=max_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "seed"):
@@ -212,15 +235,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             REQUESTS.labels(endpoint, "429").inc()
             raise
         try:
-            admission.admit(len(prompt))
+            admission.admit(len(prompt), kv_room=router.kv_room(len(prompt)))
         except APIError:
             tenant.release(cost)
             REQUESTS.labels(endpoint, "429").inc()
             raise
         tried: set[str] = set()
         while True:  # a decode worker that fails before the first token: once more on another
-            worker = router.pick_decode(exclude=tried)
+            worker = router.pick_decode(len(prompt), exclude=tried)
             worker.outstanding_tokens += cost
+            worker.kv_claimed_tokens += len(prompt)
             try:
                 call, first = await _start(worker.address, req)
                 break

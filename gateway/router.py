@@ -1,5 +1,5 @@
-"""Which workers serve a request: the decode worker with the least outstanding tokens, and
-the prefill workers ranked by rendezvous hash of the prompt's first full blocks, so a
+"""Which workers serve a request: the decode worker with the least outstanding tokens among
+those with KV headroom for the prompt, and the prefill workers ranked by rendezvous hash of the prompt's first full blocks, so a
 shared system prompt keeps landing on the same prefill worker's prefix cache."""
 
 from __future__ import annotations
@@ -17,6 +17,19 @@ class WorkerState:
     address: str
     outstanding_tokens: int = 0  # prompt + max output tokens of requests in flight via this gateway
     healthy: bool = True
+    kv_free_tokens: int | None = None  # free KV slots less queued prompt tokens, at the last Stats (None: unknown)
+    kv_total_tokens: int | None = None
+    kv_claimed_tokens: int = 0  # prompt tokens sent here since that Stats
+
+    def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int) -> None:
+        """A fresh Stats: it already counts what was claimed before it."""
+        self.kv_free_tokens = free_blocks * block_size - waiting_tokens
+        self.kv_total_tokens = total_blocks * block_size
+        self.kv_claimed_tokens = 0
+
+    def fits(self, prompt_tokens: int) -> bool:
+        """Room in the KV cache for this prompt now (True while unknown)."""
+        return self.kv_free_tokens is None or self.kv_free_tokens - self.kv_claimed_tokens >= prompt_tokens
 
 
 class Router:
@@ -27,11 +40,23 @@ class Router:
         self.prefill = [WorkerState(a) for a in prefill]
         self.block_size = block_size
 
-    def pick_decode(self, exclude: set[str] = frozenset()) -> WorkerState:
-        """The healthy decode worker with the least outstanding tokens (any, if none is healthy)."""
+    def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset()) -> WorkerState:
+        """The healthy decode worker with the least outstanding tokens, preferring those with KV
+        headroom for the prompt (any worker, if none is healthy)."""
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
         live = [w for w in candidates if w.healthy] or candidates
-        return min(live, key=lambda w: w.outstanding_tokens)
+        roomy = [w for w in live if w.fits(prompt_tokens)] or live
+        return min(roomy, key=lambda w: w.outstanding_tokens)
+
+    def kv_room(self, prompt_tokens: int) -> bool:
+        """Some healthy decode worker has KV headroom for the prompt now."""
+        live = [w for w in self.decode if w.healthy] or self.decode
+        return any(w.fits(prompt_tokens) for w in live)
+
+    def kv_capacity(self) -> int | None:
+        """The largest decode worker's whole KV cache in tokens (None while unknown)."""
+        known = [w.kv_total_tokens for w in self.decode if w.kv_total_tokens is not None]
+        return max(known) if known else None
 
     def has_other_decode(self, worker: WorkerState) -> bool:
         return any(w is not worker for w in self.decode)

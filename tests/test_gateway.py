@@ -257,3 +257,68 @@ def test_logprobs_in_openai_shapes(client):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+STORY = "Tell me a long story about the sea and its ships. " * 40  # ~450 tokens
+
+
+def _data_lines(lines):
+    return (line for line in lines if line.startswith("data: "))
+
+
+def test_no_kv_headroom_is_a_fast_429_and_too_big_a_prompt_a_413(system, smollm2_dir, tmp_path):
+    """A decode worker with 48 blocks (768 tokens): while one ~450-token request runs there is
+    no room for another, so the gateway refuses it at once instead of queueing it."""
+    _, prefill, _ = system
+    (small,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "48"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [small.address], [prefill.address], tmp_path / "gateway.log",
+                     "--health-interval", "0.2") as url:
+            assert httpx.get(f"{url}/ready", timeout=10).status_code == 200  # Stats read: capacity known
+            huge = httpx.post(f"{url}/v1/completions", timeout=30,
+                              json={"model": "smollm2", "prompt": STORY * 2, "max_tokens": 1})
+            assert huge.status_code == 413 and huge.json()["error"]["param"] == "prompt", huge.text
+            too_long = httpx.post(f"{url}/v1/completions", timeout=30,
+                                  json={"model": "smollm2", "prompt": STORY, "max_tokens": 400})
+            assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens", too_long.text
+            hold = {"model": "smollm2", "prompt": STORY, "max_tokens": 200, "stream": True, "logit_bias": {"2": -100}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=hold, timeout=60) as first:
+                assert first.status_code == 200, first.read()
+                lines = first.iter_lines()
+                assert "error" not in next(_data_lines(lines))
+                t0 = time.monotonic()
+                other = httpx.post(f"{url}/v1/completions", timeout=30,
+                                   json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
+                refused_in = time.monotonic() - t0
+                assert other.status_code == 429, other.text
+                assert "KV cache room" in other.json()["error"]["message"] and other.headers["retry-after"] == "1"
+            assert refused_in < 5, refused_in  # answered at once, not after the running request
+            s = wait_idle(small)
+            assert s.free_blocks == s.total_blocks
+            time.sleep(0.5)  # a health round reads the freed blocks
+            again = httpx.post(f"{url}/v1/completions", timeout=60,
+                               json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
+            assert again.status_code == 200, again.text
+    finally:
+        small.stop()
+
+
+def test_a_decode_worker_dying_mid_stream_ends_the_stream_with_an_error_event(system, smollm2_dir, tmp_path):
+    _, prefill, _ = system
+    (doomed,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [doomed.address], [prefill.address], tmp_path / "gateway.log") as url:
+            body = {"model": "smollm2", "messages": CHAT, "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                lines = _data_lines(resp.iter_lines())
+                assert "error" not in json.loads(next(lines)[6:])
+                doomed.kill()  # SIGKILL while tokens stream
+                rest = list(lines)  # bounded: the gRPC stream breaks when the process dies
+            assert rest[-1] == "data: [DONE]", rest[-3:]
+            error = json.loads(rest[-2][6:])["error"]
+            assert "mid-stream" in error["message"] and error["type"] == "server_error"
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # the gateway lives on
+        s = wait_idle(prefill)
+        assert s.free_blocks == s.total_blocks and s.running_requests == 0
+    finally:
+        doomed.stop()
