@@ -73,6 +73,19 @@ def test_models_health_and_ready(system, client):
     assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}
 
 
+def test_metrics_cover_the_gateway_and_every_worker(system, client):
+    url, prefill, decode = system
+    client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, temperature=0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'pdserve_requests_total{endpoint="chat",status="ok"}' in text
+    assert "pdserve_ttft_seconds_count" in text and "pdserve_e2e_seconds_count" in text
+    for w in (prefill, decode):
+        name = w.stats().worker
+        total = [line for line in text.splitlines() if line.startswith(f'pdserve_worker_kv_blocks_total{{worker="{name}"}}')]
+        assert total and float(total[0].split()[-1]) == w.stats().total_blocks, (name, total)
+    assert "pdserve_worker_kv_blocks_transferred" in text
+
+
 def test_chat_non_streaming_and_streaming_agree(client):
     full = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24, temperature=0)
     assert "Paris" in full.choices[0].message.content
