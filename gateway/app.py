@@ -189,19 +189,23 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     def _params(body, prompt_len: int) -> pb.SamplingParams:
         limit = config.max_model_len - prompt_len
+        prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        max_prompt = min(config.max_prompt_tokens or config.max_model_len, config.max_model_len - 1)
+        if prompt_len > max_prompt:
+            raise APIError(413, f"prompt ({prompt_len} tokens) is over this model's limit of {max_prompt} prompt "
+                                "tokens", prompt_param)
         capacity = router.kv_capacity()  # the largest decode worker's KV cache, once known
-        if capacity is not None and prompt_len > capacity:
-            param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-            raise APIError(413, f"prompt ({prompt_len} tokens) is larger than a decode worker's whole KV cache "
-                                f"({capacity} tokens)", param)
+        if capacity is not None and prompt_len >= capacity:
+            raise APIError(413, f"prompt ({prompt_len} tokens) does not fit in a decode worker's KV cache "
+                                f"({capacity} tokens)", prompt_param)
         cap = config.max_output_tokens
         if cap is not None and body.output_limit is not None and body.output_limit > cap:
             raise APIError(400, f"max_tokens ({body.output_limit}) is over this server's limit of {cap}", "max_tokens")
         default = min(limit, cap or limit, limit if capacity is None else capacity - prompt_len)
         max_tokens = body.output_limit if body.output_limit is not None else default
-        if prompt_len > (config.max_prompt_tokens or config.max_model_len) or max_tokens > limit:
+        if max_tokens > limit:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context "
-                                f"limit of {config.max_model_len} tokens", "max_tokens" if limit > 0 else "messages")
+                                f"limit of {config.max_model_len} tokens", "max_tokens")
         if capacity is not None and prompt_len + max_tokens > capacity:
             raise APIError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs more KV cache than "
                                 f"a decode worker has ({capacity} tokens)", "max_tokens")

@@ -148,7 +148,7 @@ def test_client_disconnect_frees_the_blocks(system):
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
-    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 400, None),
+    ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 413, "messages"),
     ({"model": "gpt-5", "messages": CHAT}, 404, "model"),
     (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
 ])
