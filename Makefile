@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: $(STAMP)
-	$(VENV)/bin/pdserve chat --model $(MODEL)
+	$(VENV)/bin/pdserve serve --model $(MODEL)
 
 # Tests only talk to loopback: as root, run them in a network namespace that has nothing else.
 test: $(STAMP)

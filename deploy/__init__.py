@@ -1,4 +1,2 @@
-"""Ray deployment: pools as placement groups, the controller, the planner, the CLI.
-
-Not built yet; see DESIGN.md (Deployment).
-"""
+"""Ray deployment: the YAML config, the hosts of worker and gateway processes (actors), the
+controller (membership, health, healing, scaling) and the `pdserve` command."""

@@ -1,5 +1,5 @@
-"""The `pdserve` command. For now: `pdserve chat`, an interactive or one-shot chat
-through the offline engine (the server commands come with the gateway and deploy)."""
+"""`pdserve chat`: an interactive or one-shot chat through the offline engine, in this
+process. The `pdserve` command itself (serve, scale, status, chat) lives in deploy/cli.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ import sys
 import time
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    chat = sub.add_parser("chat", help="chat with a model in this process (offline engine)")
+def add_chat_command(sub: argparse._SubParsersAction) -> None:
+    chat = sub.add_parser("chat", help="chat with a model in this process (offline engine, no server)")
     chat.add_argument("--model", default="smollm2",
                       help="'smollm2' (default), a Hugging Face checkpoint folder, or a .gguf file")
     chat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
@@ -21,12 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument("--max-tokens", type=int, default=256)
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     chat.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args(argv)
+    chat.set_defaults(run=run_chat)
+
+
+def run_chat(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return _chat(args)
-
-
-def _chat(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine.sampling_params import SamplingParamsError
     from engine.scheduler import RequestRejected
@@ -78,6 +75,3 @@ def _chat(args: argparse.Namespace) -> int:
         if not interactive:
             return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

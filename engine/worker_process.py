@@ -18,6 +18,7 @@ import torch
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
+from engine.parent_watch import watch_parent
 from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
 
@@ -77,6 +78,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    watch_parent(done.set)  # hosted by a Ray actor: end with it
     print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
     done.wait()
     log.info("%s: shutting down", worker.name)

@@ -1,14 +1,20 @@
-"""python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000]"""
+"""python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000]
+
+With PDSERVE_ADMIN_TOKEN set in its environment the worker lists may start empty: the
+deploy controller pushes them with PUT /admin/workers (Authorization: Bearer <token>)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import signal
 
 import uvicorn
 
 from engine.model_source import resolve_model
+from engine.parent_watch import watch_parent
 from gateway.app import GatewayConfig, create_app
 from gateway.tenants import Tenants
 
@@ -17,7 +23,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m gateway", description="pdserve OpenAI-compatible gateway")
     ap.add_argument("--model", default="smollm2", help="the model the workers serve (for its tokenizer)")
     ap.add_argument("--served-name", default=None, help="the name clients use (default: the model folder's name)")
-    ap.add_argument("--decode", action="append", required=True, help="decode worker address (repeatable)")
+    ap.add_argument("--decode", action="append", default=[], help="decode worker address (repeatable)")
     ap.add_argument("--prefill", action="append", default=[], help="prefill worker address (repeatable)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
@@ -28,6 +34,9 @@ def main() -> None:
     ap.add_argument("--max-output-tokens", type=int, default=None,
                     help="cap on a request's max_tokens, and its default (default: the context limit)")
     args = ap.parse_args()
+    admin_token = os.environ.get("PDSERVE_ADMIN_TOKEN") or None
+    if not args.decode and not admin_token:
+        ap.error("--decode is required (or PDSERVE_ADMIN_TOKEN, for membership pushed by the deploy controller)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     path = resolve_model(args.model)
     name = args.served_name or (args.model if "/" not in args.model else path.name)
@@ -36,7 +45,8 @@ def main() -> None:
     tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
-                           max_output_tokens=args.max_output_tokens)
+                           max_output_tokens=args.max_output_tokens, admin_token=admin_token)
+    watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
 
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -29,8 +30,8 @@ from gateway.admission import Admission
 from gateway.backend import Backend
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.logprobs import render as render_logprobs
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.router import Router
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
+from gateway.router import NoWorker, Router
 from gateway.tenants import Tenants
 from gateway.text_stream import TextStream
 
@@ -66,6 +67,7 @@ class GatewayConfig:
     health_interval_s: float = 2.0  # deep health of every worker; failing ones are skipped
     max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer (None: never shed)
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
+    admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -77,7 +79,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     def observe_stats(stats: dict[str, pb.StatsResponse | None]) -> None:
         """Workers' Stats into the router's KV headroom and the /metrics gauges."""
-        for w in router.decode:
+        for w in router.decode + router.prefill:
             s = stats.get(w.address)
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
@@ -94,14 +96,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def refresh_health() -> bool:
         """Deep-check every worker (the router skips the ones that fail) and read their Stats
         (the router's KV headroom). True if ready."""
-        decode_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.decode))
-        prefill_ok = await asyncio.gather(*(backend.health(a, deep=True) for a in config.prefill))
+        decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
+        decode_ok = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
+        prefill_ok = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
         observe_stats(await backend.all_stats())
-        for w, ok in zip(router.decode + router.prefill, decode_ok + prefill_ok):
+        for w, ok in zip(decode + prefill, decode_ok + prefill_ok):
             if w.healthy != ok:
                 log.info("worker %s is %s", w.address, "healthy again" if ok else "failing deep health")
             w.healthy = ok
-        ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not config.prefill or any(prefill_ok)))
+        ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not prefill or any(prefill_ok)))
         return bool(ready_cache["ok"])
 
     async def health_loop() -> None:
@@ -142,6 +145,29 @@ def create_app(config: GatewayConfig) -> FastAPI:
             await refresh_health()
         status = 200 if ready_cache["ok"] else 503
         return JSONResponse({"ready": bool(ready_cache["ok"])}, status)
+
+    def _check_admin(authorization: str | None) -> None:
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(token.encode(), (config.admin_token or "").encode()):
+            raise APIError(401, "admin endpoints need the deployment's admin token", code="invalid_api_key")
+
+    if config.admin_token:
+        @app.get("/admin/workers", include_in_schema=False)
+        async def get_workers(request: Request) -> dict:
+            _check_admin(request.headers.get("authorization"))
+            return {"decode": [vars(w) for w in router.decode], "prefill": [vars(w) for w in router.prefill]}
+
+        @app.put("/admin/workers", include_in_schema=False)
+        async def put_workers(members: Membership, request: Request) -> dict:
+            """The deploy controller's view of the pools: routing follows it from the next request."""
+            _check_admin(request.headers.get("authorization"))
+            if (members.decode, members.prefill) != ([w.address for w in router.decode],
+                                                     [w.address for w in router.prefill]):
+                log.info("workers now: decode %s, prefill %s", members.decode, members.prefill)
+            router.set_workers(members.decode, members.prefill)
+            await backend.set_workers(members.decode, members.prefill)
+            ready_cache["at"] = 0.0  # the next /ready checks the new members
+            return {"decode": members.decode, "prefill": members.prefill}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -246,7 +272,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise
         tried: set[str] = set()
         while True:  # a decode worker that fails before the first token: once more on another
-            worker = router.pick_decode(len(prompt), exclude=tried)
+            try:
+                worker = router.pick_decode(len(prompt), exclude=tried)
+            except NoWorker:
+                tenant.release(cost)
+                admission.first_token(len(prompt), 0.0)
+                REQUESTS.labels(endpoint, "503").inc()
+                raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             worker.outstanding_tokens += cost
             worker.kv_claimed_tokens += len(prompt)
             try:

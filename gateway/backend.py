@@ -17,6 +17,12 @@ class Backend:
         self.decode = decode
         self.prefill = prefill
 
+    async def set_workers(self, decode: list[str], prefill: list[str]) -> None:
+        """New membership; channels to workers that left are closed (their calls in flight end)."""
+        self.decode, self.prefill = list(decode), list(prefill)
+        gone = [a for a in self._channels if a not in self.decode and a not in self.prefill]
+        await asyncio.gather(*(self._channels.pop(a).close(grace=5.0) for a in gone))
+
     def _channel(self, address: str) -> aio.Channel:
         ch = self._channels.get(address)
         if ch is None:

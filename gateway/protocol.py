@@ -107,3 +107,11 @@ class CompletionRequest(_Sampling):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+class Membership(BaseModel):
+    """PUT /admin/workers: the workers the gateway routes to (gRPC host:port each)."""
+    model_config = ConfigDict(extra="forbid")
+
+    decode: list[str]
+    prefill: list[str] = []

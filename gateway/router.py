@@ -1,6 +1,7 @@
 """Which workers serve a request: the decode worker with the least outstanding tokens among
 those with KV headroom for the prompt, and the prefill workers ranked by rendezvous hash of the prompt's first full blocks, so a
-shared system prompt keeps landing on the same prefill worker's prefix cache."""
+shared system prompt keeps landing on the same prefill worker's prefix cache, unless that
+worker's queue is much longer than the least-loaded one's: then the least-loaded goes first."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from engine.block_pool import block_hashes
 
 AFFINITY_BLOCKS = 4  # how many leading full blocks decide the favourite prefill worker
+OVERLOAD_TOKENS = 2048  # a favourite this many queued prompt tokens behind the least-loaded is overloaded
 
 
 @dataclass
@@ -20,29 +22,42 @@ class WorkerState:
     kv_free_tokens: int | None = None  # free KV slots less queued prompt tokens, at the last Stats (None: unknown)
     kv_total_tokens: int | None = None
     kv_claimed_tokens: int = 0  # prompt tokens sent here since that Stats
+    waiting_tokens: int = 0  # queued prompt tokens at the last Stats
 
     def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int) -> None:
         """A fresh Stats: it already counts what was claimed before it."""
         self.kv_free_tokens = free_blocks * block_size - waiting_tokens
         self.kv_total_tokens = total_blocks * block_size
         self.kv_claimed_tokens = 0
+        self.waiting_tokens = waiting_tokens
 
     def fits(self, prompt_tokens: int) -> bool:
         """Room in the KV cache for this prompt now (True while unknown)."""
         return self.kv_free_tokens is None or self.kv_free_tokens - self.kv_claimed_tokens >= prompt_tokens
 
 
+class NoWorker(LookupError):
+    """No decode worker is known (membership not pushed yet, or every one was removed)."""
+
+
 class Router:
     def __init__(self, decode: list[str], prefill: list[str], block_size: int = 16):
-        if not decode:
-            raise ValueError("at least one decode worker is needed")
-        self.decode = [WorkerState(a) for a in decode]
-        self.prefill = [WorkerState(a) for a in prefill]
+        self.decode: list[WorkerState] = []
+        self.prefill: list[WorkerState] = []
         self.block_size = block_size
+        self.set_workers(decode, prefill)
+
+    def set_workers(self, decode: list[str], prefill: list[str]) -> None:
+        """New membership (from the config or the controller); known workers keep their state."""
+        known = {w.address: w for w in self.decode + self.prefill}
+        self.decode = [known.get(a) or WorkerState(a) for a in dict.fromkeys(decode)]
+        self.prefill = [known.get(a) or WorkerState(a) for a in dict.fromkeys(prefill)]
 
     def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset()) -> WorkerState:
         """The healthy decode worker with the least outstanding tokens, preferring those with KV
         headroom for the prompt (any worker, if none is healthy)."""
+        if not self.decode:
+            raise NoWorker("no decode worker")
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
         live = [w for w in candidates if w.healthy] or candidates
         roomy = [w for w in live if w.fits(prompt_tokens)] or live
@@ -67,7 +82,12 @@ class Router:
         if not live:
             return []
         key = b"".join(block_hashes(prompt, self.block_size)[:AFFINITY_BLOCKS]) or bytes(str(prompt[:8]), "ascii")
-        return [w.address for w in sorted(live, key=lambda w: _score(key, w.address), reverse=True)]
+        ranked = sorted(live, key=lambda w: _score(key, w.address), reverse=True)
+        least = min(ranked, key=lambda w: w.waiting_tokens)
+        if ranked[0].waiting_tokens - least.waiting_tokens > OVERLOAD_TOKENS:
+            ranked.remove(least)
+            ranked.insert(0, least)
+        return [w.address for w in ranked]
 
 
 def _score(key: bytes, address: str) -> int:

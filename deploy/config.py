@@ -1,0 +1,237 @@
+"""The deployment config of `pdserve serve`: the model, the prefill and decode pools, the
+gateway and the controller's timings, read from YAML (see deploy/configs/).
+
+Every key is checked: an unknown key is named with its path and the close matches, a wrong
+type or an out-of-range value says what was expected, and every message starts with the
+source (the file's path), so a typo fails at submit time instead of as a worker that never
+starts. Only stdlib and yaml here: the CLI loads this before Ray or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot be used; the message starts with its source."""
+
+
+class _Invalid(ConfigError):
+    """A problem at a key path (`decode.replicas`), raised before the source is known."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path}: {problem}" if path else problem)
+        self.path, self.problem = path, problem
+
+
+def _require(ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        raise _Invalid(key, problem)
+
+
+def _at_least(config: object, low: float, *keys: str, strict: bool = False) -> None:
+    """Each field in keys is None, or >= low (> low when strict)."""
+    for key in keys:
+        value = getattr(config, key)
+        ok = value is None or (value > low if strict else value >= low)
+        _require(ok, key, f"must be {'more than' if strict else 'at least'} {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of workers ("prefill" or "decode"): how many, what each reserves in Ray,
+    and the engine flags each worker process starts with."""
+
+    replicas: int = 1  # prefill: 0 = aggregated (decode workers prefill locally); decode: >= 1
+    num_cpus: float = 1.0  # Ray resources reserved per worker (its placement group bundle)
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources, e.g. {"prefill": 1}
+    tp_size: int = 1  # tensor parallelism: reserved, must be 1
+    kv_blocks: int | None = None  # KV pool size in blocks; None: sized by kv_memory_gib
+    kv_memory_gib: float = 1.0
+    threads: int = 1  # torch threads per worker process
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting: int = 256
+    extra_args: list[str] = field(default_factory=list)  # passed verbatim to `python -m prefill|decode`
+
+    def __post_init__(self) -> None:
+        _at_least(self, 0, "replicas", "num_cpus", "num_gpus")
+        _at_least(self, 1, "kv_blocks", "threads", "max_num_batched_tokens", "max_num_seqs", "max_waiting")
+        _at_least(self, 0, "kv_memory_gib", strict=True)
+        for name, amount in self.resources.items():
+            _require(name not in ("CPU", "GPU"), f"resources.{name}", "use num_cpus / num_gpus instead")
+            _require(amount >= 0, f"resources.{name}", f"must be at least 0, got {amount}")
+        _require(self.tp_size == 1, "tp_size",
+                 f"tensor parallelism is not supported yet (got {self.tp_size}); use 1 and more replicas")
+
+    def worker_args(self) -> list[str]:
+        """Flags for `python -m prefill|decode` (the launcher adds --model, --dtype, --port...)."""
+        kv = ("--kv-memory-gib", self.kv_memory_gib) if self.kv_blocks is None else ("--kv-blocks", self.kv_blocks)
+        return [kv[0], str(kv[1]), "--threads", str(self.threads),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--max-num-seqs", str(self.max_num_seqs), "--max-waiting", str(self.max_waiting),
+                *self.extra_args]
+
+    def bundle(self) -> dict[str, float]:
+        """One worker's placement group bundle."""
+        gpus = {"GPU": self.num_gpus} if self.num_gpus > 0 else {}
+        return {"CPU": self.num_cpus, **gpus, **self.resources}
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The gateway's flags (named so as not to clash with gateway.app.GatewayConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tenants: str | None = None  # path to a tenants JSON file; None: open, no keys
+    max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer; None: never shed
+    max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
+
+    def __post_init__(self) -> None:
+        _require(bool(self.host), "host", "must not be empty")
+        _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _at_least(self, 0, "max_ttft_s", strict=True)
+        _at_least(self, 1, "max_output_tokens")
+
+    def args(self) -> list[str]:
+        """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
+        args = ["--host", self.host, "--port", str(self.port)]
+        if self.tenants is not None:
+            args += ["--tenants", self.tenants]
+        # the gateway's flag has a default of its own, so "never shed" is spelled as an infinite bound
+        args += ["--max-ttft", "inf" if self.max_ttft_s is None else str(self.max_ttft_s)]
+        if self.max_output_tokens is not None:
+            args += ["--max-output-tokens", str(self.max_output_tokens)]
+        return args
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """A whole deployment: what `pdserve serve` starts and how the controller watches it."""
+
+    model: str = "smollm2"  # 'smollm2', a Hugging Face folder or a .gguf file
+    served_name: str | None = None  # the name clients use; None: the model folder's name
+    dtype: str = "bfloat16"
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
+    health_interval_s: float = 2.0  # the controller's deep-health round
+    unhealthy_after: int = 3  # consecutive failed rounds before a worker is replaced
+    drain_timeout_s: float = 30.0
+    ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
+
+    def __post_init__(self) -> None:
+        _require(bool(self.model), "model", "must not be empty")
+        _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.decode.replicas >= 1, "decode.replicas",
+                 f"must be at least 1 (decode workers serve every request), got {self.decode.replicas}")
+        _at_least(self, 0, "health_interval_s", "ready_timeout_s", strict=True)
+        _at_least(self, 0, "drain_timeout_s")
+        _at_least(self, 1, "unhealthy_after")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> DeployConfig:
+        """Load a YAML file; an empty file means all defaults."""
+        try:
+            text = Path(path).read_text()
+        except OSError as e:  # missing, a folder, unreadable
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict | None, source: str = "<config>") -> DeployConfig:
+        try:
+            return _build(cls, data, "")
+        except _Invalid as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    def with_overrides(self, **overrides: object) -> DeployConfig:
+        """A copy with command-line values applied, validated like a file; None means not given.
+        Keys: top-level fields (`model=`), pool fields prefixed by the pool (`prefill_replicas=`,
+        `decode_kv_memory_gib=`) and gateway fields bare (`host=`, `port=`)."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            pool, _, name = key.partition("_")
+            if pool in ("prefill", "decode") and name:
+                data[pool][name] = value
+            elif key in data["gateway"]:
+                data["gateway"][key] = value
+            else:
+                data[key] = value
+        return DeployConfig.from_dict(data, "overrides")
+
+    def to_dict(self) -> dict:
+        """Plain data that from_dict reads back (how the config travels to Ray actors)."""
+        return dataclasses.asdict(self)
+
+
+_EXPECTED = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _build(cls: type, data: object, path: str) -> object:
+    """cls from a mapping of its fields, each checked against its annotation."""
+    if data is None:  # an empty file, or a section with every key commented out
+        data = {}
+    if not isinstance(data, dict):
+        raise _Invalid(path, f"expected a mapping of keys, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names)
+            hint = f"did you mean {' or '.join(map(repr, close))}?" if close else f"known keys: {', '.join(names)}"
+            raise _Invalid(_join(path, key), f"unknown key ({hint})")
+    values = {key: _value(value, hints[key], _join(path, key)) for key, value in data.items()}
+    try:
+        return cls(**values)
+    except _Invalid as e:
+        raise _Invalid(_join(path, e.path), e.problem) from None
+
+
+def _value(value: object, hint: object, path: str) -> object:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    args = typing.get_args(hint)
+    if type(None) in args:  # X | None
+        if value is None:
+            return None
+        (hint,) = (a for a in args if a is not type(None))
+        return _value(value, hint, path)
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            raise _Invalid(path, f"expected a list, got {value!r}")
+        return [_value(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _Invalid(path, f"expected a mapping, got {value!r}")
+        return {_value(k, args[0], path): _value(v, args[1], _join(path, k)) for k, v in value.items()}
+    if isinstance(value, bool):  # a bool is an int to Python, never to a config
+        raise _Invalid(path, f"expected {_EXPECTED[hint]}, got {value!r}")
+    if hint is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, hint):
+        raise _Invalid(path, f"expected {_EXPECTED[hint]}, got {value!r}")
+    return value

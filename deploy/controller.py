@@ -1,0 +1,346 @@
+"""The controller: a named Ray actor that owns the deployment's membership.
+
+It places each worker in a placement group of its own (one bundle with the pool's
+resources, so a pool grows and shrinks one worker at a time and a TP group can later be
+several bundles of one group), starts the gateway, and every health round:
+
+- reads each host actor's `info()`: a host Ray is restarting, or whose worker process died,
+  is out of the membership until its new incarnation is ready (a dead process is restarted
+  by killing its host: Ray brings the actor back, which starts a fresh process);
+- deep-checks each worker over gRPC (`Health(deep=True)` runs through the engine loop, so a
+  wedged loop fails it); `unhealthy_after` failures in a row and the host is restarted;
+- pushes the ready workers to the gateway (PUT /admin/workers), which routes to them only.
+
+`scale` adds workers (ready before they join) and removes the newest ones after draining
+them: out of the membership first, then stopped once their queues are empty or
+`drain_timeout_s` passed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import grpc
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from deploy.config import DeployConfig, PoolConfig
+from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
+from engine.rpc import pdserve_pb2 as pb
+from engine.rpc import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+NAME, NAMESPACE = "pdserve-controller", "pdserve"
+PLACEMENT_TIMEOUT_S = 60.0  # a bundle the cluster cannot place in this time is an error
+
+
+@dataclass
+class Slot:
+    """One worker of a pool: its placement group, host actor and what the last round saw."""
+
+    role: str
+    worker_id: str
+    pg: PlacementGroup
+    host: ray.actor.ActorHandle
+    state: str = "starting"  # starting | ready | restarting | draining
+    address: str = ""
+    incarnation: int = 0
+    node_id: str = ""
+    failures: int = 0  # deep-health failures in a row
+    restarts: int = 0
+    info: dict = field(default_factory=dict)
+
+    def public(self) -> dict:
+        return {"role": self.role, "worker_id": self.worker_id, "state": self.state, "address": self.address,
+                "incarnation": self.incarnation, "node_id": self.node_id, "restarts": self.restarts,
+                "pid": self.info.get("pid"), "host_pid": self.info.get("host_pid"), "log": self.info.get("log")}
+
+
+class Controller:
+    """Methods are called by the `pdserve` CLI through Ray; one background thread runs the
+    health rounds. A lock keeps rounds and scaling from interleaving."""
+
+    def __init__(self, config: dict, admin_token: str, driver_node_id: str):
+        self.config = DeployConfig.from_dict(config, "controller")
+        self.admin_token = admin_token
+        self.driver_node = driver_node_id
+        self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
+        self.pools: dict[str, list[Slot]] = {"prefill": [], "decode": []}
+        self.next_id = {"prefill": 0, "decode": 0}
+        self.gateway: ray.actor.ActorHandle | None = None
+        self.gateway_started = 0.0
+        self.events: list[str] = []
+        self.lock = threading.RLock()
+        self.stopping = threading.Event()
+        self.channels: dict[str, grpc.Channel] = {}
+        self.loop: threading.Thread | None = None
+
+    # ---- what the CLI calls -------------------------------------------------------------
+
+    def start(self) -> dict:
+        """Start the gateway and both pools; return when every worker is ready."""
+        g = self.config.gateway
+        self._event(f"logs on each node under {self.log_dir}")
+        self._start_gateway()
+        self.scale(self.config.prefill.replicas, self.config.decode.replicas)
+        self._wait_gateway()
+        self._push_membership()
+        self.loop = threading.Thread(target=self._health_loop, name="health", daemon=True)
+        self.loop.start()
+        self._event(f"gateway ready on http://{g.host}:{g.port}")
+        return self.status()
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict:
+        if decode is not None and decode < 1:
+            raise ValueError("the decode pool needs at least one worker")
+        if prefill is not None and prefill < 0:
+            raise ValueError("the prefill pool cannot have fewer than 0 workers")
+        targets = {"prefill": prefill, "decode": decode}
+        with self.lock:
+            new: list[Slot] = []
+            try:
+                for role, target in targets.items():  # all placed first: they load in parallel
+                    for _ in range(0 if target is None else target - len(self.pools[role])):
+                        new.append(self._place(role))
+                for slot in new:
+                    self._wait_ready(slot)
+                    self.pools[slot.role].append(slot)
+            except Exception:
+                for slot in new:
+                    if slot.state != "ready":
+                        self._remove(slot)
+                raise
+            finally:
+                self._push_membership()
+            for role, target in targets.items():
+                while target is not None and len(self.pools[role]) > target:
+                    self._drain(self.pools[role].pop())  # the newest first
+        return self.status()
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"gateway": self._gateway_url(), "log_dir": self.log_dir,
+                    "pools": {role: [s.public() for s in slots] for role, slots in self.pools.items()}}
+
+    def events_since(self, index: int) -> list[str]:
+        return self.events[index:]
+
+    def shutdown(self) -> None:
+        """Stop the health loop, the gateway and every worker; free the placement groups."""
+        self.stopping.set()
+        if self.loop is not None:
+            self.loop.join(timeout=30)
+        with self.lock:
+            if self.gateway is not None:
+                _quietly(lambda: ray.get(self.gateway.stop.remote(), timeout=15))
+                ray.kill(self.gateway, no_restart=True)
+                self.gateway = None
+            slots = [s for pool in self.pools.values() for s in pool]
+            _quietly(lambda: ray.get([s.host.stop.remote() for s in slots], timeout=30))
+            for s in slots:
+                self._remove(s)
+            self.pools = {"prefill": [], "decode": []}
+        self._event("stopped")
+
+    # ---- pools --------------------------------------------------------------------------
+
+    def _pool(self, role: str) -> PoolConfig:
+        return self.config.prefill if role == "prefill" else self.config.decode
+
+    def _place(self, role: str) -> Slot:
+        pool = self._pool(role)
+        worker_id = str(self.next_id[role])
+        self.next_id[role] += 1
+        bundle = pool.bundle()
+        pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{worker_id}")
+        if not _wait(pg.ready(), PLACEMENT_TIMEOUT_S):
+            remove_placement_group(pg)
+            raise RuntimeError(f"cannot place a {role} worker: no node has {bundle} free "
+                               f"(waited {PLACEMENT_TIMEOUT_S:.0f}s)")
+        options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources),
+                   "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
+        host = WorkerHost.options(**options).remote(role, worker_id, self.config.model, self.config.dtype,
+                                                    pool.worker_args(), self.log_dir)
+        self._event(f"{role} worker {worker_id}: placed, loading {self.config.model}")
+        return Slot(role, worker_id, pg, host)
+
+    def _wait_ready(self, slot: Slot) -> None:
+        slot.address = ray.get(slot.host.ready.remote(self.config.ready_timeout_s),
+                               timeout=self.config.ready_timeout_s + 30)
+        slot.info = ray.get(slot.host.info.remote(), timeout=30)
+        slot.incarnation, slot.node_id = slot.info["incarnation"], slot.info["node_id"]
+        slot.state = "ready"
+        self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
+
+    def _drain(self, slot: Slot) -> None:
+        """Out of the gateway's membership, then stopped once idle (or at the drain timeout)."""
+        slot.state = "draining"
+        self._push_membership()
+        self._event(f"{slot.role} worker {slot.worker_id}: draining")
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline:
+            stats = self._stats(slot.address)
+            if stats is None or (stats.running_requests == 0 and stats.waiting_requests == 0):
+                break
+            time.sleep(0.2)
+        _quietly(lambda: ray.get(slot.host.stop.remote(), timeout=30))
+        self._remove(slot)
+        self._event(f"{slot.role} worker {slot.worker_id}: removed")
+
+    def _remove(self, slot: Slot) -> None:
+        _quietly(lambda: ray.kill(slot.host, no_restart=True))
+        _quietly(lambda: remove_placement_group(slot.pg))
+        channel = self.channels.pop(slot.address, None)
+        if channel is not None:
+            channel.close()
+
+    # ---- health -------------------------------------------------------------------------
+
+    def _health_loop(self) -> None:
+        while not self.stopping.wait(self.config.health_interval_s):
+            try:
+                with self.lock:
+                    self._round()
+            except Exception:  # never let the loop die; the next round tries again
+                log.exception("health round failed")
+
+    def _round(self) -> None:
+        for slot in [s for pool in self.pools.values() for s in pool if s.state != "draining"]:
+            self._check(slot)
+        self._check_gateway()
+        self._push_membership()
+
+    def _check(self, slot: Slot) -> None:
+        try:
+            info = ray.get(slot.host.info.remote(), timeout=10)
+        except Exception:  # the actor died: Ray is restarting it
+            if slot.state != "restarting":
+                self._event(f"{slot.role} worker {slot.worker_id}: host actor lost, Ray restarts it")
+                slot.state = "restarting"
+            return
+        if info["incarnation"] != slot.incarnation:  # a restarted host: a new process
+            if not info["address"]:
+                slot.state = "restarting"
+                if not info["alive"]:  # the new process died too: another incarnation
+                    self._restart(slot, "its new process exited")
+                else:
+                    _quietly(lambda: ray.get(slot.host.ready.remote(0.5), timeout=10))
+                return
+            slot.info, slot.address, slot.incarnation = info, info["address"], info["incarnation"]
+            slot.node_id, slot.failures, slot.state = info["node_id"], 0, "ready"
+            slot.restarts += 1
+            self._event(f"{slot.role} worker {slot.worker_id}: incarnation {slot.incarnation} ready on "
+                        f"{slot.address}")
+            return
+        if not info["alive"]:
+            self._restart(slot, "its process exited")
+            return
+        if self._healthy(slot.address):
+            slot.failures = 0
+            return
+        slot.failures += 1
+        if slot.failures >= self.config.unhealthy_after:
+            self._restart(slot, f"failed deep health {slot.failures} times in a row")
+
+    def _restart(self, slot: Slot, why: str) -> None:
+        self._event(f"{slot.role} worker {slot.worker_id}: {why}; replacing it with a new incarnation")
+        slot.state, slot.failures = "restarting", 0
+        self.channels.pop(slot.address, None)
+        ray.kill(slot.host, no_restart=False)  # Ray restarts the actor, which starts a fresh process
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self.channels:
+            self.channels[address] = grpc.insecure_channel(address)
+        return self.channels[address]
+
+    def _healthy(self, address: str) -> bool:
+        try:
+            stub = pb_grpc.DecodeWorkerStub(self._channel(address))  # Health is the same call on both roles
+            return stub.Health(pb.HealthRequest(deep=True), timeout=5).ok
+        except grpc.RpcError:
+            return False
+
+    def _stats(self, address: str) -> pb.StatsResponse | None:
+        try:
+            return pb_grpc.DecodeWorkerStub(self._channel(address)).Stats(pb.StatsRequest(), timeout=5)
+        except grpc.RpcError:
+            return None
+
+    # ---- gateway ------------------------------------------------------------------------
+
+    def _start_gateway(self) -> None:
+        strategy = NodeAffinitySchedulingStrategy(self.driver_node, soft=False)  # where the user reaches it
+        self.gateway = GatewayHost.options(num_cpus=0, scheduling_strategy=strategy).remote(
+            self.config.model, self.config.served_name, self.config.gateway.args(), self.admin_token, self.log_dir)
+        self.gateway_started = ray.get(self.gateway.info.remote(), timeout=60)["started"]
+
+    def _gateway_url(self) -> str:
+        g = self.config.gateway
+        host = "127.0.0.1" if g.host in ("0.0.0.0", "::", "") else g.host
+        return f"http://{host}:{g.port}"
+
+    def _wait_gateway(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self._gateway_url()}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            info = ray.get(self.gateway.info.remote(), timeout=30)
+            if not info["alive"] or time.monotonic() > deadline:
+                tail = ray.get(self.gateway.tail.remote(), timeout=30)
+                raise RuntimeError(f"the gateway did not start on {self._gateway_url()}:\n{tail}")
+            time.sleep(0.2)
+
+    def _check_gateway(self) -> None:
+        try:
+            info = ray.get(self.gateway.info.remote(), timeout=10)
+        except Exception:
+            return  # Ray is restarting it
+        if info["started"] != self.gateway_started:
+            self.gateway_started = info["started"]
+            self._event("gateway restarted; pushing the workers to it")
+        elif not info["alive"]:
+            self._event("gateway process exited; restarting it")
+            ray.kill(self.gateway, no_restart=False)
+
+    def _push_membership(self) -> None:
+        if self.gateway is None:
+            return
+        ready = {role: [s.address for s in slots if s.state == "ready"] for role, slots in self.pools.items()}
+        body = json.dumps({"decode": ready["decode"], "prefill": ready["prefill"]}).encode()
+        request = urllib.request.Request(f"{self._gateway_url()}/admin/workers", data=body, method="PUT",
+                                         headers={"Authorization": f"Bearer {self.admin_token}",
+                                                  "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=5).close()
+        except OSError as e:  # a gateway that is (re)starting: the next round pushes again
+            log.info("membership push failed: %s", e)
+
+    def _event(self, message: str) -> None:
+        log.info(message)
+        self.events.append(message)
+
+
+def _wait(ref, timeout_s: float) -> bool:
+    ready, _ = ray.wait([ref], timeout=timeout_s)
+    return bool(ready)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # clean-up of something already gone
+        log.debug("ignored during clean-up: %s", e)
+
+
+ControllerActor = ray.remote(max_concurrency=16, num_cpus=0)(Controller)

@@ -1,0 +1,125 @@
+"""Ray actors that host pdserve's processes: one worker (`python -m prefill|decode`) or the
+gateway (`python -m gateway`) each.
+
+The process is a child of the actor, not the actor itself: it keeps its own signal
+handling, torch threads and NIXL agent, and its log goes to a file on its node. The child
+gets PDSERVE_PARENT_PID, so when the actor dies (killed, or restarted by Ray) the child
+shuts down with it; a restarted actor starts a fresh child, a new incarnation on a new
+port. The controller reads `info()` every health round and notices both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from engine.parent_watch import ENV as PARENT_ENV
+
+_READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
+LOG_ROOT = Path(tempfile.gettempdir()) / "pdserve-logs"
+
+
+class HostedProcess:
+    """A child process with its log in a file; `stop` always ends it."""
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str]):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        full_env = {**os.environ, **env, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait(10)
+
+
+def _node_ip() -> str:
+    return ray.util.get_node_ip_address()
+
+
+@ray.remote(max_restarts=-1, max_concurrency=4)
+class WorkerHost:
+    """One prefill or decode worker process, bound to this node's cluster-internal address."""
+
+    def __init__(self, role: str, worker_id: str, model: str, dtype: str, args: list[str], log_dir: str):
+        self.role, self.worker_id = role, worker_id
+        self.incarnation = int(time.time() * 1000)
+        self.address = ""
+        threads = args[args.index("--threads") + 1] if "--threads" in args else "1"
+        cmd = [sys.executable, "-m", role, "--model", model, "--dtype", dtype, "--host", _node_ip(), "--port", "0",
+               "--worker-id", worker_id, "--incarnation", str(self.incarnation), *args]
+        log = Path(log_dir) / f"{role}-{worker_id}-{self.incarnation}.log"
+        self.process = HostedProcess(cmd, log, {"OMP_NUM_THREADS": threads})
+
+    def ready(self, timeout_s: float) -> str:
+        """Block until the worker prints its address; raise with its log tail if it cannot start."""
+        deadline = time.monotonic() + timeout_s
+        while not self.address:
+            m = _READY.search(self.process.log_path.read_text(errors="replace"))
+            if m:
+                self.address = f"{m.group(1)}:{m.group(2)}"
+            elif not self.process.alive():
+                raise RuntimeError(f"{self.role} worker {self.worker_id} exited with "
+                                   f"{self.process.proc.returncode}:\n{self.process.tail()}")
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role} worker {self.worker_id} not ready in {timeout_s:.0f}s:\n"
+                                   f"{self.process.tail()}")
+            else:
+                time.sleep(0.1)
+        return self.address
+
+    def info(self) -> dict:
+        return {"address": self.address, "alive": self.process.alive(), "pid": self.process.proc.pid,
+                "host_pid": os.getpid(), "incarnation": self.incarnation,
+                "node_id": ray.get_runtime_context().get_node_id(), "log": str(self.process.log_path)}
+
+    def stop(self) -> int:
+        return self.process.stop()
+
+
+@ray.remote(max_restarts=-1, max_concurrency=4)
+class GatewayHost:
+    """The gateway process; its worker lists come from the controller (PUT /admin/workers)."""
+
+    def __init__(self, model: str, served_name: str | None, args: list[str], admin_token: str, log_dir: str):
+        cmd = [sys.executable, "-m", "gateway", "--model", model, *args]
+        if served_name:
+            cmd += ["--served-name", served_name]
+        self.started = time.time()
+        log = Path(log_dir) / f"gateway-{int(self.started * 1000)}.log"
+        self.process = HostedProcess(cmd, log, {"PDSERVE_ADMIN_TOKEN": admin_token})
+
+    def info(self) -> dict:
+        return {"alive": self.process.alive(), "pid": self.process.proc.pid, "host_pid": os.getpid(),
+                "started": self.started, "node_id": ray.get_runtime_context().get_node_id(),
+                "log": str(self.process.log_path)}
+
+    def tail(self) -> str:
+        return self.process.tail()
+
+    def stop(self) -> int:
+        return self.process.stop()

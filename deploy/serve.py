@@ -1,0 +1,197 @@
+"""`pdserve serve`, `pdserve scale`, `pdserve status`: the deployment's driver and its admin.
+
+`serve` prepares the model, joins a Ray cluster (RAY_ADDRESS or --address, as under
+`ray job submit`) or starts an embedded one on this machine, starts the controller (a
+named actor), prints its progress until the gateway serves, and on Ctrl-C or SIGTERM
+stops the gateway, the workers and, if it started it, Ray: no process outlives it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray is imported, inherited by every Ray process
+
+from deploy.config import ConfigError, DeployConfig  # noqa: E402
+
+CONTROLLER, NAMESPACE = "pdserve-controller", "pdserve"
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the whole system (embedded Ray, or join a cluster)")
+    serve.add_argument("--config", help="deployment YAML (see deploy/configs/); flags below override it")
+    serve.add_argument("--model", help="'smollm2' (default), a Hugging Face folder or a .gguf file")
+    serve.add_argument("--dtype", help="bfloat16 (default), float32 or float16")
+    serve.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = aggregated)")
+    serve.add_argument("--decode", type=int, help="decode workers (default 1)")
+    serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="gateway port (default 8000)")
+    serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded one)")
+    serve.add_argument("--num-cpus", type=int, help="CPUs the embedded Ray offers (default: enough for the pools)")
+    serve.set_defaults(run=run_serve)
+
+    scale = sub.add_parser("scale", help="resize the pools of a running deployment")
+    scale.add_argument("--prefill", type=int)
+    scale.add_argument("--decode", type=int)
+    scale.add_argument("--address", help="the deployment's Ray cluster (default: RAY_ADDRESS, else 'auto')")
+    scale.set_defaults(run=run_scale)
+
+    status = sub.add_parser("status", help="the workers of a running deployment")
+    status.add_argument("--address", help="the deployment's Ray cluster (default: RAY_ADDRESS, else 'auto')")
+    status.add_argument("--json", action="store_true", help="print the status as JSON")
+    status.set_defaults(run=run_status)
+
+
+def _say(message: str) -> None:
+    print(f"pdserve: {message}", file=sys.stderr, flush=True)
+
+
+def load_config(args: argparse.Namespace) -> DeployConfig:
+    config = DeployConfig.from_yaml(args.config) if args.config else DeployConfig()
+    return config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
+                                 decode_replicas=args.decode, host=args.host, port=args.port)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        _say(str(e))
+        return 2
+    stop = threading.Event()
+
+    def on_signal(*_) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+
+    from engine.model_source import resolve_model
+
+    t0 = time.monotonic()
+    _say(f"preparing model {config.model} (converted once, then cached)")
+    try:
+        path = resolve_model(config.model)
+    except (ValueError, FileNotFoundError) as e:
+        _say(str(e))
+        return 1
+    _say(f"model ready in {time.monotonic() - t0:.1f}s: {path}")
+
+    import ray
+
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        _say(f"joining the Ray cluster at {address}")
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        pools = config.prefill.replicas * config.prefill.num_cpus + config.decode.replicas * config.decode.num_cpus
+        cpus = args.num_cpus or max(os.cpu_count() or 1, int(pools + 0.999))
+        _say(f"starting an embedded Ray with {cpus} CPUs")
+        ray.init(address="local", num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False,
+                 logging_level=logging.WARNING, log_to_driver=False)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own (which exits at once)
+        signal.signal(sig, on_signal)
+    _say(f"Ray cluster at {ray.get_runtime_context().gcs_address} (pdserve status/scale --address ...)")
+    try:
+        return _run(ray, config, stop)
+    finally:
+        ray.shutdown()
+
+
+def _run(ray, config: DeployConfig, stop: threading.Event) -> int:
+    from deploy.controller import ControllerActor
+
+    try:
+        ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        _say("a pdserve deployment already runs on this cluster (pdserve status); not starting another")
+        return 1
+    except ValueError:
+        pass
+    controller = ControllerActor.options(name=CONTROLLER, namespace=NAMESPACE).remote(
+        config.to_dict(), secrets.token_urlsafe(24), ray.get_runtime_context().get_node_id())
+    code, seen = 0, 0
+    try:
+        started = controller.start.remote()
+        while not stop.is_set():
+            done, _ = ray.wait([started], timeout=0.5)
+            seen = _print_events(ray, controller, seen)
+            if done:
+                break
+        if not stop.is_set():
+            status = ray.get(started)
+            _say(f"serving {config.model} at {status['gateway']}/v1 (Ctrl-C stops everything)")
+            while not stop.wait(1.0):
+                seen = _print_events(ray, controller, seen)
+    except Exception as e:  # a worker or the gateway could not start: say why, then clean up
+        _say(f"failed: {e}")
+        code = 1
+    _say("stopping")
+    try:
+        ray.get(controller.shutdown.remote(), timeout=90)
+    except Exception as e:
+        _say(f"clean-up incomplete: {e}")
+        code = code or 1
+    _print_events(ray, controller, seen)
+    ray.kill(controller)
+    return code
+
+
+def _print_events(ray, controller, seen: int) -> int:
+    try:
+        events = ray.get(controller.events_since.remote(seen), timeout=10)
+    except Exception:
+        return seen
+    for line in events:
+        _say(line)
+    return seen + len(events)
+
+
+def _connect(args: argparse.Namespace):
+    import ray
+
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+             logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        return ray, ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    except ValueError:
+        raise SystemExit("pdserve: no pdserve deployment runs on this Ray cluster") from None
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    if args.prefill is None and args.decode is None:
+        raise SystemExit("pdserve scale: give --prefill N and/or --decode N")
+    ray, controller = _connect(args)
+    try:
+        status = ray.get(controller.scale.remote(args.prefill, args.decode))
+    except Exception as e:
+        _say(f"scaling failed: {e}")
+        return 1
+    _print_status(status)
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    ray, controller = _connect(args)
+    status = ray.get(controller.status.remote(), timeout=30)
+    if args.json:
+        print(json.dumps(status, indent=1))
+    else:
+        _print_status(status)
+    return 0
+
+
+def _print_status(status: dict) -> None:
+    print(f"gateway  {status['gateway']}")
+    for role, slots in status["pools"].items():
+        print(f"{role:8} {len(slots)} worker(s)")
+        for s in slots:
+            print(f"  {s['worker_id']:>3}  {s['state']:10} {s['address']:22} incarnation {s['incarnation']}  "
+                  f"restarts {s['restarts']}  node {s['node_id'][:12]}")

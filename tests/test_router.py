@@ -1,0 +1,67 @@
+"""The gateway's routing decisions (pure Python: no workers needed)."""
+
+from __future__ import annotations
+
+from gateway.router import OVERLOAD_TOKENS, Router
+
+PREFILL = [f"10.0.0.{i}:50051" for i in range(1, 5)]
+
+
+def _prompt(seed: int, n: int = 80) -> list[int]:
+    return [(seed * 7919 + i * 31) % 49152 for i in range(n)]
+
+
+def test_a_shared_prefix_lands_on_the_same_prefill_worker_and_prompts_spread():
+    r = Router(["d:1"], PREFILL)
+    system = _prompt(1, 64)  # four full blocks decide the favourite
+    favourites = {r.rank_prefill(system + _prompt(100 + i, 20))[0] for i in range(20)}
+    assert len(favourites) == 1
+    spread = {r.rank_prefill(_prompt(i))[0] for i in range(200)}
+    assert spread == set(PREFILL)
+    assert sorted(r.rank_prefill(system)) == sorted(PREFILL)  # every worker ranked: fallbacks
+
+
+def test_an_overloaded_favourite_yields_to_the_least_loaded():
+    r = Router(["d:1"], PREFILL)
+    prompt = _prompt(3)
+    ranked = r.rank_prefill(prompt)
+    favourite = next(w for w in r.prefill if w.address == ranked[0])
+    favourite.waiting_tokens = OVERLOAD_TOKENS // 2  # busy, not overloaded: affinity wins
+    assert r.rank_prefill(prompt) == ranked
+    favourite.waiting_tokens = OVERLOAD_TOKENS + 1
+    for w in r.prefill:
+        if w is not favourite:
+            w.waiting_tokens = 0 if w.address == ranked[2] else 100
+    assert r.rank_prefill(prompt)[0] == ranked[2]
+    assert set(r.rank_prefill(prompt)) == set(PREFILL)
+
+
+def test_unhealthy_workers_are_skipped():
+    r = Router(["d:1", "d:2"], PREFILL)
+    r.prefill[0].healthy = False
+    assert PREFILL[0] not in r.rank_prefill(_prompt(5))
+    r.decode[0].healthy = False
+    assert r.pick_decode().address == "d:2"
+    r.decode[1].healthy = False
+    assert r.pick_decode().address in {"d:1", "d:2"}  # none healthy: still somewhere to try
+
+
+def test_decode_prefers_kv_headroom_then_fewest_outstanding_tokens():
+    r = Router(["d:1", "d:2"], [])
+    a, b = r.decode
+    a.observe(free_blocks=100, total_blocks=100, block_size=16, waiting_tokens=0)
+    b.observe(free_blocks=10, total_blocks=100, block_size=16, waiting_tokens=0)
+    b.outstanding_tokens, a.outstanding_tokens = 0, 500
+    assert r.pick_decode(100).address == "d:2"  # both have room: the less loaded
+    assert r.pick_decode(400).address == "d:1"  # only a has room for 400 tokens
+    assert r.kv_room(400) and not r.kv_room(2000)
+    a.kv_claimed_tokens = 1500  # prompts sent since the last Stats count against the headroom
+    assert not r.kv_room(400)
+    a.observe(free_blocks=100, total_blocks=100, block_size=16, waiting_tokens=800)  # queued prompts too
+    assert a.kv_claimed_tokens == 0 and not a.fits(1000) and a.fits(800)
+    assert r.kv_capacity() == 1600
+
+
+def test_headroom_is_unknown_until_the_first_stats():
+    r = Router(["d:1"], [])
+    assert r.kv_room(10**6) and r.kv_capacity() is None
