@@ -248,6 +248,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 p.logit_bias[int(key)] = value
         if body.num_logprobs is not None:
             p.logprobs = body.num_logprobs
+        p.ignore_eos = body.ignore_eos
         return p
 
     async def _serve(kind: str, body, prompt: list[int], tenant):

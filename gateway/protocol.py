@@ -37,6 +37,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
+    ignore_eos: bool = False  # vendor extra (vLLM has it too): generate exactly max_tokens, for benchmarks
 
     @field_validator("stop")
     @classmethod

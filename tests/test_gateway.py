@@ -257,6 +257,14 @@ def test_overload_is_shed_with_fast_429s(system, smollm2_dir, tmp_path):
         assert ok.status_code == 200  # the queue drained: admitted again
 
 
+def test_ignore_eos_generates_exactly_max_tokens(client):
+    short = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60, temperature=0)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 60  # EOS came early
+    out = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 60 and out.choices[0].finish_reason == "length"
+
+
 def test_logprobs_in_openai_shapes(client):
     chat = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=5, temperature=0,
                                           logprobs=True, top_logprobs=3)
