@@ -116,6 +116,27 @@ class GatewaySettings:
 
 
 @dataclass(frozen=True)
+class PlannerConfig:
+    """The online planner: moves workers between the pools (their total stays) when the
+    observed load would be served better by another split (see deploy/planner.py)."""
+
+    enabled: bool = False
+    profile: str | None = None  # from `pdserve profile`; required when enabled
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.2
+    interval_s: float = 30.0  # how often the load is read and the split reconsidered
+    cooldown_s: float = 60.0  # after a change, no other before this
+    min_requests: int = 10  # a window with fewer finished requests decides nothing
+
+    def __post_init__(self) -> None:
+        _require(not self.enabled or bool(self.profile), "profile", "is required when the planner is enabled "
+                 "(make one with `pdserve profile`)")
+        _at_least(self, 0, "slo_ttft_s", "slo_tpot_s", "interval_s", strict=True)
+        _at_least(self, 0, "cooldown_s")
+        _at_least(self, 1, "min_requests")
+
+
+@dataclass(frozen=True)
 class DeployConfig:
     """A whole deployment: what `pdserve serve` starts and how the controller watches it."""
 
@@ -129,6 +150,7 @@ class DeployConfig:
     unhealthy_after: int = 3  # consecutive failed rounds before a worker is replaced
     drain_timeout_s: float = 30.0
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -228,6 +250,10 @@ def _value(value: object, hint: object, path: str) -> object:
         if not isinstance(value, dict):
             raise _Invalid(path, f"expected a mapping, got {value!r}")
         return {_value(k, args[0], path): _value(v, args[1], _join(path, k)) for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _Invalid(path, f"expected true or false, got {value!r}")
+        return value
     if isinstance(value, bool):  # a bool is an int to Python, never to a config
         raise _Invalid(path, f"expected {_EXPECTED[hint]}, got {value!r}")
     if hint is float and isinstance(value, int):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 import urllib.request
@@ -32,6 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy.config import DeployConfig, PoolConfig
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
+from deploy.planner import Planner, scrape
+from deploy.profile import Profile
+from deploy.simulator import Pools
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 
@@ -81,6 +85,8 @@ class Controller:
         self.stopping = threading.Event()
         self.channels: dict[str, grpc.Channel] = {}
         self.loop: threading.Thread | None = None
+        self.planner_loop: threading.Thread | None = None
+        self.last_plan = ""  # the planner's last decision, for status
 
     # ---- what the CLI calls -------------------------------------------------------------
 
@@ -94,6 +100,9 @@ class Controller:
         self._push_membership()
         self.loop = threading.Thread(target=self._health_loop, name="health", daemon=True)
         self.loop.start()
+        if self.config.planner.enabled:
+            self.planner_loop = threading.Thread(target=self._planner_loop, name="planner", daemon=True)
+            self.planner_loop.start()
         self._event(f"gateway ready on http://{g.host}:{g.port}")
         return self.status()
 
@@ -126,7 +135,7 @@ class Controller:
 
     def status(self) -> dict:
         with self.lock:
-            return {"gateway": self._gateway_url(), "log_dir": self.log_dir,
+            return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.last_plan,
                     "pools": {role: [s.public() for s in slots] for role, slots in self.pools.items()}}
 
     def events_since(self, index: int) -> list[str]:
@@ -135,8 +144,9 @@ class Controller:
     def shutdown(self) -> None:
         """Stop the health loop, the gateway and every worker; free the placement groups."""
         self.stopping.set()
-        if self.loop is not None:
-            self.loop.join(timeout=30)
+        for thread in (self.loop, self.planner_loop):
+            if thread is not None:
+                thread.join(timeout=30)
         with self.lock:
             if self.gateway is not None:
                 _quietly(lambda: ray.get(self.gateway.stop.remote(), timeout=15))
@@ -272,6 +282,38 @@ class Controller:
             return pb_grpc.DecodeWorkerStub(self._channel(address)).Stats(pb.StatsRequest(), timeout=5)
         except grpc.RpcError:
             return None
+
+    # ---- planner ------------------------------------------------------------------------
+
+    def _planner_loop(self) -> None:
+        """Every interval: the gateway's counters since the window began -> a decision."""
+        cfg = self.config.planner
+        planner = Planner(Profile.load(cfg.profile), cfg.slo_ttft_s, cfg.slo_tpot_s)
+        start, start_at, changed_at = None, 0.0, -math.inf
+        while not self.stopping.wait(cfg.interval_s):
+            try:
+                now, counters = time.monotonic(), scrape(self._gateway_url())
+                if start is None or counters.requests < start.requests:  # first read, or a restarted gateway
+                    start, start_at = counters, now
+                    continue
+                window = counters.minus(start)
+                if window.requests < cfg.min_requests:
+                    continue  # the window grows until it has enough requests
+                with self.lock:
+                    current = Pools(len(self.pools["prefill"]), len(self.pools["decode"]))
+                if current.prefill == 0 or now - changed_at < cfg.cooldown_s:
+                    start, start_at = counters, now  # aggregated, or cooling down: a fresh window
+                    continue
+                decision = planner.decide(window, now - start_at, current)
+                self.last_plan = decision.reason
+                log.info("planner: %s", decision.reason)
+                if decision.target != current:
+                    self._event(f"planner: {decision.reason}; moving to {decision.target}")
+                    self.scale(decision.target.prefill, decision.target.decode)
+                    changed_at = time.monotonic()
+                start, start_at = scrape(self._gateway_url()), time.monotonic()  # windows never span a change
+            except Exception:  # never let the loop die; the next window tries again
+                log.exception("planner round failed")
 
     # ---- gateway ------------------------------------------------------------------------
 

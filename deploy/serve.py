@@ -56,8 +56,19 @@ def _say(message: str) -> None:
 
 def load_config(args: argparse.Namespace) -> DeployConfig:
     config = DeployConfig.from_yaml(args.config) if args.config else DeployConfig()
-    return config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
-                                 decode_replicas=args.decode, host=args.host, port=args.port)
+    config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
+                                   decode_replicas=args.decode, host=args.host, port=args.port)
+    if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
+        from deploy.profile import Profile
+
+        try:
+            Profile.load(config.planner.profile)
+        except ValueError as e:
+            raise ConfigError(f"planner.profile: {e}") from None
+        data = config.to_dict()
+        data["planner"]["profile"] = os.path.abspath(config.planner.profile)
+        config = DeployConfig.from_dict(data, args.config or "<flags>")
+    return config
 
 
 def run_serve(args: argparse.Namespace) -> int:

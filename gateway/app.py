@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 REQUESTS = Counter("pdserve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"])
 TTFT = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30))
 E2E = Histogram("pdserve_e2e_seconds", "Request latency", buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
+                 buckets=(.01, .025, .05, .1, .2, .3, .5, 1, 2))
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
+COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
 WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
     "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
@@ -300,7 +304,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ttft = time.monotonic() - started
         admission.first_token(len(prompt), ttft)
         TTFT.observe(ttft)
-        stream = _responses(kind, body, rid, call, first, len(prompt), started, endpoint)
+        stream = _responses(kind, body, rid, call, first, len(prompt), started, started + ttft, endpoint)
 
         async def released():
             try:
@@ -332,7 +336,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise WorkerUnavailable(503, "decode worker closed the stream")
         return call, first
 
-    async def _responses(kind, body, rid, call, first, prompt_len, started, endpoint) -> AsyncIterator[dict]:
+    async def _responses(kind, body, rid, call, first, prompt_len, started, first_at,
+                         endpoint) -> AsyncIterator[dict]:
         """Each engine step's text as an event dict; the last carries finish_reason and usage."""
         text = TextStream(tokenizer, body.stop or [])
         msg, completion_tokens, status = first, 0, "ok"
@@ -371,7 +376,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                  "param": None, "code": None}}
                 break
         REQUESTS.labels(endpoint, status).inc()
-        E2E.observe(time.monotonic() - started)
+        now = time.monotonic()
+        E2E.observe(now - started)
+        if status == "ok":  # what the planner reads: the load and its latencies
+            PROMPT_TOKENS.inc(prompt_len)
+            COMPLETION_TOKENS.inc(completion_tokens)
+            if completion_tokens > 1:
+                TPOT.observe((now - first_at) / (completion_tokens - 1))
 
     async def _sse(kind: str, rid: str, body, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""

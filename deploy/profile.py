@@ -1,0 +1,187 @@
+"""`pdserve profile`: how long engine steps take on this hardware, for the planner.
+
+Measures, with one worker's engine in this process (same threads and step budget as a
+worker):
+- prefill steps: chunks of T new tokens after `context` tokens already in the KV cache;
+- decode steps: `batch` sequences each generating one token at a mean context length.
+
+and fits two small cost models by least squares (non-negative coefficients):
+
+    prefill_step(T, ctx)  = a + b*T + c*T*(ctx + T/2)      # linears + causal attention
+    decode_step(B, ctx)   = a + b*B + c*B*ctx              # weights read once + KV read per sequence
+
+A step that mixes both (aggregated serving) costs the decode model plus the prefill model
+without its constant. The profile is a JSON file: the raw points and the coefficients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FULL = {"prefill": [16, 64, 128, 256, 512], "long_prompt": 2048, "decode_batch": [1, 8, 32],
+        "decode_context": [128, 896]}
+QUICK = {"prefill": [32, 512], "long_prompt": 1024, "decode_batch": [1, 8], "decode_context": [128, 512]}
+
+
+@dataclass
+class Profile:
+    model: str
+    dtype: str
+    threads: int
+    block_size: int
+    max_num_batched_tokens: int
+    kv_tokens: int  # KV capacity of one worker, in tokens
+    prefill_points: list[list[float]] = field(default_factory=list)  # [tokens, context, seconds]
+    decode_points: list[list[float]] = field(default_factory=list)  # [batch, context, seconds]
+    prefill_coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    decode_coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    transfer_s: float = 0.004  # KV push per request (bench.transfer: ~3 ms for 2k SmolLM2 tokens)
+
+    def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
+        a, b, c = self.prefill_coef
+        return (a if with_constant else 0.0) + b * tokens + c * tokens * (context + tokens / 2)
+
+    def decode_step_s(self, batch: int, context: float) -> float:
+        a, b, c = self.decode_coef
+        return a + b * batch + c * batch * context
+
+    def fit(self) -> Profile:
+        self.prefill_coef = _nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],
+                                  [s for *_, s in self.prefill_points])
+        self.decode_coef = _nnls([[1.0, b, b * ctx] for b, ctx, _ in self.decode_points],
+                                 [s for *_, s in self.decode_points])
+        return self
+
+    def fit_error(self) -> tuple[float, float]:
+        """Mean relative error of the fitted models on the measured points (prefill, decode)."""
+        pre = [abs(self.prefill_step_s(t, c) - s) / s for t, c, s in self.prefill_points]
+        dec = [abs(self.decode_step_s(b, c) - s) / s for b, c, s in self.decode_points]
+        return statistics.fmean(pre), statistics.fmean(dec)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path}: not a pdserve profile ({e}); make one with `pdserve profile`") from None
+
+
+def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with coefficients >= 0 (drop a negative one and refit: 3 unknowns at most)."""
+    import numpy as np
+
+    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    active = list(range(a.shape[1]))
+    while True:
+        coef = np.zeros(a.shape[1])
+        if active:
+            sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+            coef[active] = sol
+        negative = [i for i in active if coef[i] < 0]
+        if not negative:
+            return [float(c) for c in coef]
+        active.remove(min(negative, key=lambda i: coef[i]))
+
+
+def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: float = 1.0,
+            block_size: int = 16, max_num_batched_tokens: int = 512, say=print) -> Profile:
+    import torch
+
+    from engine import LLMEngine, SamplingParams
+    from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from engine.model_source import resolve_model
+
+    torch.set_num_threads(threads)
+    path = resolve_model(model)
+    model_len = ModelConfig.from_pretrained(path).max_model_len
+    engine = LLMEngine.from_folder(path, dtype, CacheConfig(block_size, None, kv_memory_gib),
+                                   SchedulerConfig(max_num_batched_tokens, 64, model_len))
+    profile = Profile(model, dtype, threads, block_size, max_num_batched_tokens,
+                      engine.kv_manager.num_total_blocks * block_size)
+    vocab = engine.config.model.vocab_size
+    counter = iter(range(10**9))
+
+    def prompt(n: int) -> list[int]:  # fresh ids each time: no prefix-cache hit
+        k = next(counter)
+        return [(k * 7919 + i * 104729) % (vocab - 200) + 100 for i in range(n)]
+
+    def run(prompts: list[list[int]], max_tokens: int) -> list:
+        """Run to completion; every step's (num_seqs, num_tokens, seconds, mean context)."""
+        rids = [f"profile-{next(counter)}" for _ in prompts]
+        done = dict.fromkeys(rids, 0)
+        for rid, p in zip(rids, prompts):
+            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        steps = []
+        while engine.has_unfinished():
+            context = statistics.fmean(len(p) + done[r] for r, p in zip(rids, prompts))
+            before = engine.last_step
+            for out in engine.step():
+                done[out.request_id] += len(out.token_ids)
+            if engine.last_step is not before:
+                s = engine.last_step
+                steps.append((s.num_seqs, s.num_tokens, s.seconds, context))
+        return steps
+
+    run([prompt(64)], 2)  # warm-up
+    for t in grid["prefill"]:
+        times = [run([prompt(t)], 1)[0][2] for _ in range(3)]
+        profile.prefill_points.append([t, 0, statistics.median(times)])
+        say(f"prefill {t:5d} tokens: {statistics.median(times) * 1e3:7.1f} ms")
+    long = grid["long_prompt"]  # chunked: each chunk attends to the ones before it
+    for i, (_, tokens, seconds, _) in enumerate(run([prompt(long)], 1)):
+        if tokens == max_num_batched_tokens:
+            profile.prefill_points.append([tokens, i * max_num_batched_tokens, seconds])
+    say(f"prefill {long} tokens in chunks of {max_num_batched_tokens}: "
+        f"{sum(s for t, c, s in profile.prefill_points if c > 0) * 1e3:.0f} ms after the first chunk")
+    for batch in grid["decode_batch"]:
+        for ctx in grid["decode_context"]:
+            steps = run([prompt(ctx) for _ in range(batch)], 6 + math.ceil(batch * ctx / max_num_batched_tokens))
+            pure = [(s, c) for n, t, s, c in steps if n == batch and t == batch]
+            profile.decode_points.append([batch, statistics.fmean(c for _, c in pure),
+                                          statistics.median(s for s, _ in pure)])
+            say(f"decode batch {batch:3d} at context {ctx:5d}: {profile.decode_points[-1][2] * 1e3:7.1f} ms/step")
+    return profile.fit()
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure prefill and decode step times here, for the planner")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="torch threads, as a worker would use")
+    p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--transfer-ms", type=float, default=4.0, help="KV transfer time per request (bench.transfer)")
+    p.add_argument("--quick", action="store_true", help="fewer points (about 20 s for SmolLM2)")
+    p.add_argument("--out", default="profile.json")
+    p.set_defaults(run=run_profile)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    def say(msg: str) -> None:
+        print(f"pdserve profile: {msg}", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
+    say(f"measuring {args.model} ({args.dtype}, {args.threads} thread(s)){' quickly' if args.quick else ''}")
+    profile = measure(args.model, args.dtype, args.threads, QUICK if args.quick else FULL, args.kv_memory_gib,
+                      say=say)
+    profile.transfer_s = args.transfer_ms / 1e3
+    profile.save(args.out)
+    pre, dec = profile.fit_error()
+    say(f"fit: prefill {_coefs(profile.prefill_coef)} (mean error {pre:.0%}), "
+        f"decode {_coefs(profile.decode_coef)} (mean error {dec:.0%})")
+    say(f"wrote {args.out} in {time.monotonic() - t0:.0f}s")
+    return 0
+
+
+def _coefs(c: list[float]) -> str:
+    return "[" + ", ".join(f"{x:.3g}" for x in c) + "]"

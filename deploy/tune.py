@@ -1,0 +1,137 @@
+"""`pdserve tune`: which (prefill, decode) split of N workers serves a workload best.
+
+For every split of N workers, and for N aggregated workers, the simulator finds the
+goodput (the highest Poisson rate at which >= 90% of requests meet both SLOs); the table
+lists them and the best is the recommendation.
+
+`pdserve tune --validate BENCH.json --prefill P --decode D` instead replays a measured
+`pdserve bench` run (its arrivals and lengths) through the simulator and prints the
+simulator's error on p90 TTFT, p90 TPOT and goodput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from deploy.profile import Profile
+from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, simulate, summarize
+
+
+def splits(workers: int) -> list[Pools]:
+    """Aggregated, then every disaggregated split (at least one worker in each pool)."""
+    return [Pools(0, workers)] + [Pools(p, workers - p) for p in range(1, workers)]
+
+
+def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_tpot: float,
+         workers: int, seed: int = 0) -> list[tuple[Pools, float, dict]]:
+    """(pools, goodput req/s, summary at that rate) for each split, best first."""
+    rows = [(pools, *goodput(profile, pools, lengths, slo_ttft, slo_tpot, seed)) for pools in splits(workers)]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> list[dict]:
+    """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests."""
+    rows = []
+    for run in bench["runs"]:
+        done = [r for r in run["requests"] if r.get("status") == "ok"]
+        if not done:
+            continue
+        t0 = min(r["arrival_s"] for r in run["requests"])
+        sim = summarize(simulate(profile, pools, [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"])
+                                                  for r in done]), slo_ttft, slo_tpot)
+        measured_ttft = _p90([r["ttft_s"] for r in done])
+        measured_tpot = _p90([r["tpot_s"] for r in done if r["output_tokens"] > 1])
+        good = sum(1 for r in done if r["ttft_s"] <= slo_ttft and r["tpot_s"] <= slo_tpot)
+        rows.append({"rate": run.get("rate"), "measured_ttft_p90": measured_ttft, "sim_ttft_p90": sim["ttft_p90"],
+                     "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
+                     "measured_attainment": good / len(run["requests"]), "sim_attainment": sim["attainment"]})
+    return rows
+
+
+def goodput_of(rows: list[dict], key: str) -> float:
+    """The highest rate whose attainment (measured or simulated) reaches the target."""
+    passing = [r["rate"] for r in rows if r["rate"] is not None and r[key] >= TARGET_ATTAINMENT]
+    return max(passing, default=0.0)
+
+
+def _p90(values: list[float]) -> float:
+    from deploy.simulator import percentile
+
+    return percentile(values, 90)
+
+
+def _err(sim: float, measured: float) -> str:
+    if not measured or math.isnan(measured) or math.isnan(sim):
+        return "   -"
+    return f"{(sim - measured) / measured:+5.0%}"
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="recommend a prefill/decode split from a profile (simulated goodput)")
+    p.add_argument("--profile", required=True, help="from `pdserve profile`")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt | fixed | long-prompt (bench/workload.py)")
+    p.add_argument("--input-len", type=int, help="fixed workload: prompt tokens")
+    p.add_argument("--output-len", type=int, help="fixed workload: output tokens")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
+    p.add_argument("--workers", type=int, default=2, help="total workers to split")
+    p.add_argument("--requests", type=int, default=200, help="simulated requests per rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--validate", help="a `pdserve bench --json` file to replay instead")
+    p.add_argument("--prefill", type=int, help="with --validate: the measured deployment's prefill workers")
+    p.add_argument("--decode", type=int, help="with --validate: its decode workers")
+    p.add_argument("--json", help="write the table as JSON here")
+    p.set_defaults(run=run_tune)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    try:
+        profile = Profile.load(args.profile)
+    except ValueError as e:
+        print(f"pdserve tune: {e}", file=sys.stderr)
+        return 2
+    if args.validate:
+        return _run_validate(args, profile)
+    from bench.workload import sample_workload
+
+    params = {k: v for k, v in (("input_len", args.input_len), ("output_len", args.output_len)) if v is not None}
+    lengths = sample_workload(args.workload, args.requests, args.seed, **params)
+    rows = tune(profile, lengths, args.slo_ttft, args.slo_tpot, args.workers, args.seed)
+    print(f"workload {args.workload} ({args.requests} requests), SLOs: TTFT <= {args.slo_ttft}s, "
+          f"TPOT <= {args.slo_tpot}s, {args.workers} workers, profile {profile.model} {profile.dtype}")
+    print(f"{'split':>16} {'goodput req/s':>14} {'per worker':>11} {'TTFT p90':>9} {'TPOT p90':>9}")
+    for pools, rate, s in rows:
+        print(f"{str(pools):>16} {rate:14.2f} {rate / args.workers:11.2f} {s['ttft_p90']:9.3f} {s['tpot_p90']:9.3f}")
+    best = rows[0]
+    print(f"recommendation: {best[0]} ({best[1]:.2f} req/s at >= {TARGET_ATTAINMENT:.0%} SLO attainment)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"prefill": p.prefill, "decode": p.decode, "goodput_rps": g, "summary": s}
+                       for p, g, s in rows], f, indent=1)
+    return 0
+
+
+def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
+    if args.decode is None or args.prefill is None:
+        print("pdserve tune --validate: give the measured deployment's --prefill and --decode", file=sys.stderr)
+        return 2
+    with open(args.validate) as f:
+        bench = json.load(f)
+    rows = validate(profile, Pools(args.prefill, args.decode), bench, args.slo_ttft, args.slo_tpot)
+    print(f"{'rate':>6} {'TTFT p90 meas':>13} {'sim':>7} {'err':>6} {'TPOT p90 meas':>13} {'sim':>7} {'err':>6} "
+          f"{'attain meas':>11} {'sim':>5}")
+    for r in rows:
+        print(f"{r['rate'] or 0:6.2f} {r['measured_ttft_p90']:13.3f} {r['sim_ttft_p90']:7.3f} "
+              f"{_err(r['sim_ttft_p90'], r['measured_ttft_p90']):>6} {r['measured_tpot_p90']:13.3f} "
+              f"{r['sim_tpot_p90']:7.3f} {_err(r['sim_tpot_p90'], r['measured_tpot_p90']):>6} "
+              f"{r['measured_attainment']:11.2f} {r['sim_attainment']:5.2f}")
+    measured, simulated = goodput_of(rows, "measured_attainment"), goodput_of(rows, "sim_attainment")
+    print(f"goodput over these rates: measured {measured:.2f} req/s, simulated {simulated:.2f} req/s "
+          f"({_err(simulated, measured).strip()})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "measured_goodput": measured, "simulated_goodput": simulated}, f, indent=1)
+    return 0

@@ -1,0 +1,173 @@
+"""The planner's parts: profile fitting and measurement, the pool simulator, `pdserve tune`,
+its validation against a bench run, and the online decision rule."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from deploy.planner import Counters, Planner, parse_metrics
+from deploy.profile import Profile, _nnls, measure
+from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
+from deploy.tune import goodput_of, splits, tune, validate
+from tests.tiny_models import write_tiny_checkpoint
+from tests.worker_procs import REPO
+
+PRE = [0.02, 0.001, 1e-7]  # prefill step: a + b*T + c*T*(ctx + T/2)
+DEC = [0.03, 0.002, 1e-6]  # decode step:  a + b*B + c*B*ctx
+
+
+def _profile(kv_tokens: int = 1 << 20, **kw) -> Profile:
+    return Profile("m", "bfloat16", 1, 16, 512, kv_tokens, prefill_coef=list(PRE), decode_coef=list(DEC),
+                   transfer_s=0.004, **kw)
+
+
+def test_one_request_costs_exactly_what_the_profile_says():
+    p = _profile()
+    (r,) = simulate(p, Pools(1, 1), [(1.0, 100, 4)])
+    assert r.first_token == pytest.approx(1.0 + p.prefill_step_s(100, 0) + 0.004)
+    steps = [p.decode_step_s(1, 100 + g) for g in range(3)]  # three more tokens, context growing
+    assert r.finish == pytest.approx(r.first_token + sum(steps))
+    assert r.token_times == pytest.approx([r.first_token + sum(steps[:i + 1]) for i in range(3)])
+    (agg,) = simulate(p, Pools(0, 1), [(0.0, 100, 4)])  # aggregated: no transfer
+    assert agg.first_token == pytest.approx(p.prefill_step_s(100, 0))
+
+
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks():
+    p = _profile()
+    (r,) = simulate(p, Pools(1, 1), [(0.0, 1200, 1)])
+    chunks = p.prefill_step_s(512, 0) + p.prefill_step_s(512, 512) + p.prefill_step_s(176, 1024)
+    assert r.first_token == pytest.approx(chunks + 0.004) and r.finish == r.first_token
+
+
+def test_more_workers_in_the_bottleneck_pool_help():
+    p = _profile()
+    prompt_heavy = poisson_requests([(1500, 2)] * 80, rate=1.5, seed=1)
+    output_heavy = poisson_requests([(32, 200)] * 80, rate=1.5, seed=1)
+
+    def p90(pools, reqs, key):
+        return summarize(simulate(p, pools, reqs), 1, 1)[key]
+    assert p90(Pools(2, 1), prompt_heavy, "ttft_p90") < p90(Pools(1, 2), prompt_heavy, "ttft_p90")
+    assert p90(Pools(1, 2), output_heavy, "tpot_p90") < p90(Pools(2, 1), output_heavy, "tpot_p90")
+
+
+def test_kv_capacity_holds_requests_back():
+    reqs = [(0.0, 200, 50)] * 6
+    roomy = simulate(_profile(), Pools(1, 1), reqs)
+    tight = simulate(_profile(kv_tokens=600), Pools(1, 1), reqs)  # two requests fit at a time
+    assert max(r.finish for r in tight) > max(r.finish for r in roomy)
+    with pytest.raises(ValueError, match="KV capacity"):
+        simulate(_profile(kv_tokens=100), Pools(1, 1), reqs)
+
+
+def test_goodput_falls_when_steps_get_slower():
+    lengths = [(200, 50)] * 60
+    fast, _ = goodput(_profile(), Pools(1, 1), lengths, slo_ttft=1.0, slo_tpot=0.1)
+    slow = _profile()
+    slow.decode_coef = [2 * c for c in DEC]
+    slower, _ = goodput(slow, Pools(1, 1), lengths, slo_ttft=1.0, slo_tpot=0.1)
+    assert 0 < slower < fast
+
+
+def test_fit_recovers_known_costs_and_keeps_coefficients_non_negative():
+    p = _profile()
+    p.prefill_points = [[t, c, p.prefill_step_s(t, c)] for t in (16, 128, 512) for c in (0, 512, 1024)]
+    p.decode_points = [[b, c, p.decode_step_s(b, c)] for b in (1, 8, 32) for c in (128, 1024)]
+    p.prefill_coef = p.decode_coef = [0.0, 0.0, 0.0]
+    p.fit()
+    assert p.prefill_coef == pytest.approx(PRE, rel=1e-6) and p.decode_coef == pytest.approx(DEC, rel=1e-6)
+    assert _nnls([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])  # slope would be < 0
+
+
+def test_profile_measures_a_real_engine(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
+    grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48]}
+    p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=lambda m: None)
+    assert [pt[:2] for pt in p.prefill_points[:2]] == [[16, 0], [64, 0]]
+    assert [c for _, c, _ in p.prefill_points[2:]] == [0, 64]  # the 160-token prompt: its two full chunks
+    assert [pt[0] for pt in p.decode_points] == [1, 1, 4, 4] and all(s > 0 for *_, s in p.decode_points)
+    assert all(c >= 0 for c in p.prefill_coef + p.decode_coef) and p.decode_step_s(4, 32) > 0
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+    with pytest.raises(ValueError, match="pdserve profile"):
+        Profile.load(tmp_path / "tiny" / "config.json")
+
+
+def test_tune_ranks_every_split_and_the_cli_prints_a_recommendation(tmp_path):
+    p = _profile()
+    rows = tune(p, [(300, 100)] * 60, 2.0, 0.2, workers=3)
+    assert {r[0] for r in rows} == set(splits(3)) == {Pools(0, 3), Pools(1, 2), Pools(2, 1)}
+    assert [r[1] for r in rows] == sorted((r[1] for r in rows), reverse=True)
+    p.save(tmp_path / "p.json")
+    out = subprocess.run([sys.executable, "-m", "deploy", "tune", "--profile", str(tmp_path / "p.json"),
+                          "--workload", "fixed", "--input-len", "300", "--output-len", "100", "--workers", "3",
+                          "--requests", "60", "--json", str(tmp_path / "t.json")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "recommendation: " in out.stdout and len(json.loads((tmp_path / "t.json").read_text())) == 3
+
+
+def test_validation_of_a_run_the_simulator_itself_produced_has_no_error():
+    p = _profile()
+    runs = []
+    for rate in (0.5, 4.0):
+        reqs = simulate(p, Pools(1, 1), poisson_requests([(300, 40)] * 50, rate, seed=2))
+        runs.append({"rate": rate, "requests": [
+            {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
+             "tpot_s": r.tpot, "status": "ok"} for r in reqs]})
+    rows = validate(p, Pools(1, 1), {"runs": runs}, slo_ttft=0.5, slo_tpot=0.05)
+    for row in rows:
+        assert row["sim_ttft_p90"] == pytest.approx(row["measured_ttft_p90"])
+        assert row["sim_tpot_p90"] == pytest.approx(row["measured_tpot_p90"])
+    assert goodput_of(rows, "measured_attainment") == goodput_of(rows, "sim_attainment")
+
+
+def _window(rate: float, prompt: int, output: int, pools: Pools, p: Profile) -> tuple[Counters, float]:
+    """The counters a gateway would show over 120 requests at `rate` had the profile been exact,
+    and the window's length."""
+    reqs = simulate(p, pools, poisson_requests([(prompt, output)] * 120, rate, seed=0))
+    n = len(reqs)
+    return Counters(requests=n, prompt_tokens=n * prompt, output_tokens=n * output,
+                    ttft_sum=sum(r.ttft for r in reqs), ttft_count=n,
+                    tpot_sum=sum(r.tpot for r in reqs), tpot_count=n), n / rate
+
+
+def test_the_planner_moves_one_worker_towards_the_bottleneck_and_holds_when_balanced():
+    p = _profile()
+    planner = Planner(p, slo_ttft_s=2.0, slo_tpot_s=0.1)
+    d = planner.decide(*_window(1.2, 1500, 2, Pools(1, 2), p), Pools(1, 2))  # prompt-heavy
+    assert d.target == Pools(2, 1), d.reason
+    d = planner.decide(*_window(1.5, 32, 250, Pools(2, 1), p), Pools(2, 1))  # output-heavy
+    assert d.target == Pools(1, 2), d.reason
+    light = planner.decide(*_window(0.05, 64, 8, Pools(1, 1), p), Pools(1, 1))  # nothing to gain: stays
+    assert light.target == Pools(1, 1)
+    d = planner.decide(*_window(1.0, 32, 250, Pools(1, 3), p), Pools(1, 3))
+    assert abs(d.target.prefill - 1) <= 1 and d.target.prefill + d.target.decode == 4  # one step at most
+
+
+def test_correction_factors_follow_the_observed_latencies():
+    p = _profile()
+    exact, seconds = _window(0.5, 400, 50, Pools(1, 1), p)
+    assert "prefill x1.00, decode x1.00" in Planner(p, 2.0, 0.1).decide(exact, seconds, Pools(1, 1)).reason
+    slow = Counters(**{**exact.__dict__, "ttft_sum": exact.ttft_sum * 100})  # far slower than predicted: clamped
+    assert "prefill x4.00" in Planner(p, 2.0, 0.1).decide(slow, seconds, Pools(1, 1)).reason
+
+
+def test_gateway_metrics_parse_into_counters():
+    text = "\n".join([
+        '# TYPE pdserve_requests counter', 'pdserve_requests_total{endpoint="chat",status="ok"} 7.0',
+        'pdserve_requests_total{endpoint="completions",status="ok"} 3.0',
+        'pdserve_requests_total{endpoint="chat",status="429"} 5.0',
+        '# TYPE pdserve_prompt_tokens counter', 'pdserve_prompt_tokens_total 1000.0',
+        '# TYPE pdserve_completion_tokens counter', 'pdserve_completion_tokens_total 250.0',
+        '# TYPE pdserve_ttft_seconds histogram', 'pdserve_ttft_seconds_sum 2.5', 'pdserve_ttft_seconds_count 10.0',
+        '# TYPE pdserve_tpot_seconds histogram', 'pdserve_tpot_seconds_sum 0.9', 'pdserve_tpot_seconds_count 9.0',
+        ""])
+    c = parse_metrics(text)
+    assert (c.requests, c.prompt_tokens, c.output_tokens) == (10, 1000, 250)
+    assert (c.ttft_sum, c.ttft_count, c.tpot_sum, c.tpot_count) == (2.5, 10, 0.9, 9)
+    assert c.minus(Counters(requests=4)).requests == 6 and not math.isnan(c.ttft_sum)
