@@ -9,6 +9,21 @@ caps ([4, 1024] prompt, [4, 512] output), the expected means are ~250 and ~200 (
 than random ids, and each request starts at its own offset so no two prompts share a
 prefix (the prefix cache gets no free hits). Requests are meant to be run with
 `ignore_eos=True` and `max_tokens=output_len`, so every system generates the same tokens.
+
+For the serving benchmark (bench/serving.py) and the simulator, `sample_workload` draws
+(prompt_len, output_len) pairs without a tokenizer, and `poisson_arrivals` the send times:
+
+- "sharegpt": the lognormals above, clipped to [4, max_input] and [4, max_output].
+- "fixed": every request `input_len` prompt tokens and `output_len` outputs.
+- "long-prompt": a chat mix with long documents in it. Each request independently is long
+  with probability `long_fraction` (0.2): a prompt uniform in [1500, 2000] tokens and a
+  short output uniform in [16, 64]; otherwise it is ShareGPT-like with the prompt capped at
+  512 and the output at 256 tokens. The long prompts are what makes prefill interfere with
+  decode on an aggregated worker.
+
+`requests_from_lengths` turns the pairs into prompts; with `vocab_size` it also replaces
+each prompt's first token with a random one, so a later run (another seed) against the
+same server gets no prefix-cache hits from the prompts of an earlier run.
 """
 
 from __future__ import annotations
@@ -22,6 +37,13 @@ from typing import Protocol
 INPUT_MEAN, INPUT_SIGMA = 270.0, 1.0
 OUTPUT_MEAN, OUTPUT_SIGMA = 220.0, 0.8
 MIN_LEN = 4
+
+# The long-prompt mix (see the module docstring).
+LONG_FRACTION = 0.2
+LONG_INPUT = (1500, 2000)
+LONG_OUTPUT = (16, 64)
+SHORT_MAX_INPUT, SHORT_MAX_OUTPUT = 512, 256
+WORKLOADS = ("sharegpt", "fixed", "long-prompt")
 
 CORPUS = """\
 The harbour town woke slowly in winter. Before the light came up over the hills, the bakers
@@ -108,6 +130,11 @@ def _slices(corpus: list[int], lengths: list[int], rng: random.Random) -> list[l
     return [long[o:o + k] for o, k in zip(offsets, lengths)]
 
 
+def _sharegpt_pair(rng: random.Random, max_input: int, max_output: int) -> tuple[int, int]:
+    return (lognormal_length(rng, INPUT_MEAN, INPUT_SIGMA, MIN_LEN, max_input),
+            lognormal_length(rng, OUTPUT_MEAN, OUTPUT_SIGMA, MIN_LEN, max_output))
+
+
 def sharegpt_requests(
     tokenizer: TokenEncoder,
     num_requests: int = 64,
@@ -117,11 +144,7 @@ def sharegpt_requests(
 ) -> list[Request]:
     """`num_requests` requests with ShareGPT-like lengths, in arrival order."""
     rng = random.Random(seed)
-    lengths = [
-        (lognormal_length(rng, INPUT_MEAN, INPUT_SIGMA, MIN_LEN, max_input),
-         lognormal_length(rng, OUTPUT_MEAN, OUTPUT_SIGMA, MIN_LEN, max_output))
-        for _ in range(num_requests)
-    ]
+    lengths = [_sharegpt_pair(rng, max_input, max_output) for _ in range(num_requests)]
     prompts = _slices(corpus_token_ids(tokenizer), [p for p, _ in lengths], rng)
     return [Request(ids, out) for ids, (_, out) in zip(prompts, lengths)]
 
@@ -133,3 +156,74 @@ def fixed_requests(
     rng = random.Random(seed)
     prompts = _slices(corpus_token_ids(tokenizer), [prompt_len] * num_requests, rng)
     return [Request(ids, output_len) for ids in prompts]
+
+
+def sample_workload(name: str, n: int, seed: int, **params: float) -> list[tuple[int, int]]:
+    """`n` (prompt_len, output_len) pairs of workload `name`, the same for the same seed.
+
+    Params: "sharegpt" takes max_input (1024) and max_output (512); "fixed" input_len (256)
+    and output_len (128); "long-prompt" long_fraction (0.2).
+    """
+    rng = random.Random(seed)
+    if name == "sharegpt":
+        allowed = {"max_input": 1024, "max_output": 512}
+    elif name == "fixed":
+        allowed = {"input_len": 256, "output_len": 128}
+    elif name == "long-prompt":
+        allowed = {"long_fraction": LONG_FRACTION}
+    else:
+        raise ValueError(f"unknown workload {name!r}; use one of {', '.join(WORKLOADS)}")
+    unknown = set(params) - set(allowed)
+    if unknown:
+        raise ValueError(f"workload {name!r} takes {', '.join(allowed)}, not {', '.join(sorted(unknown))}")
+    p = {**allowed, **params}
+    if name == "sharegpt":
+        return [_sharegpt_pair(rng, int(p["max_input"]), int(p["max_output"])) for _ in range(n)]
+    if name == "fixed":
+        if p["input_len"] < 1 or p["output_len"] < 1:
+            raise ValueError("fixed workload lengths must be at least 1")
+        return [(int(p["input_len"]), int(p["output_len"]))] * n
+    pairs = []
+    for _ in range(n):
+        if rng.random() < p["long_fraction"]:
+            pairs.append((rng.randint(*LONG_INPUT), rng.randint(*LONG_OUTPUT)))
+        else:
+            pairs.append(_sharegpt_pair(rng, SHORT_MAX_INPUT, SHORT_MAX_OUTPUT))
+    return pairs
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """Send times in seconds from the start for `n` requests of a Poisson process at `rate`
+    requests per second (exponential gaps; the first request at 0). An infinite rate sends
+    everything at once."""
+    if rate <= 0:
+        raise ValueError(f"rate must be positive, got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for i in range(n):
+        if i:
+            t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+FIRST_TOKEN_RANGE = (1000, 32000)  # ordinary BPE tokens in most vocabularies (no special ids)
+
+
+def requests_from_lengths(
+    tokenizer: TokenEncoder, lengths: list[tuple[int, int]], seed: int, vocab_size: int | None = None
+) -> list[Request]:
+    """A corpus-slice prompt per (prompt_len, output_len), each at a distinct offset when
+    there are fewer requests than corpus tokens. With `vocab_size`, the first token of
+    every prompt is drawn at random (below vocab_size), so prompts of different seeds
+    share no prefix-cache block."""
+    rng = random.Random(seed)
+    prompts = _slices(corpus_token_ids(tokenizer), [p for p, _ in lengths], rng)
+    if vocab_size is not None:
+        hi = min(vocab_size, FIRST_TOKEN_RANGE[1])
+        lo = min(FIRST_TOKEN_RANGE[0], hi // 2)
+        for ids in prompts:
+            ids[0] = rng.randrange(lo, hi)
+    return [Request(ids, out) for ids, (_, out) in zip(prompts, lengths)]

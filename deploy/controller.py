@@ -72,6 +72,7 @@ class Controller:
     health rounds. A lock keeps rounds and scaling from interleaving."""
 
     def __init__(self, config: dict, admin_token: str, driver_node_id: str):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = DeployConfig.from_dict(config, "controller")
         self.admin_token = admin_token
         self.driver_node = driver_node_id
@@ -196,7 +197,7 @@ class Controller:
         self._event(f"{slot.role} worker {slot.worker_id}: draining")
         deadline = time.monotonic() + self.config.drain_timeout_s
         while time.monotonic() < deadline:
-            stats = self._stats(slot.address)
+            stats = self._stats(slot)
             if stats is None or (stats.running_requests == 0 and stats.waiting_requests == 0):
                 break
             time.sleep(0.2)
@@ -252,7 +253,7 @@ class Controller:
         if not info["alive"]:
             self._restart(slot, "its process exited")
             return
-        if self._healthy(slot.address):
+        if self._healthy(slot):
             slot.failures = 0
             return
         slot.failures += 1
@@ -270,16 +271,21 @@ class Controller:
             self.channels[address] = grpc.insecure_channel(address)
         return self.channels[address]
 
-    def _healthy(self, address: str) -> bool:
+    def _stub(self, slot: Slot):
+        """Health and Stats have the same shape on both roles, but live in each role's service."""
+        cls = pb_grpc.PrefillWorkerStub if slot.role == "prefill" else pb_grpc.DecodeWorkerStub
+        return cls(self._channel(slot.address))
+
+    def _healthy(self, slot: Slot) -> bool:
         try:
-            stub = pb_grpc.DecodeWorkerStub(self._channel(address))  # Health is the same call on both roles
-            return stub.Health(pb.HealthRequest(deep=True), timeout=5).ok
-        except grpc.RpcError:
+            return self._stub(slot).Health(pb.HealthRequest(deep=True), timeout=10).ok
+        except grpc.RpcError as e:
+            log.info("%s worker %s: deep health failed: %s", slot.role, slot.worker_id, e.code().name)
             return False
 
-    def _stats(self, address: str) -> pb.StatsResponse | None:
+    def _stats(self, slot: Slot) -> pb.StatsResponse | None:
         try:
-            return pb_grpc.DecodeWorkerStub(self._channel(address)).Stats(pb.StatsRequest(), timeout=5)
+            return self._stub(slot).Stats(pb.StatsRequest(), timeout=5)
         except grpc.RpcError:
             return None
 
@@ -306,14 +312,16 @@ class Controller:
                     continue
                 decision = planner.decide(window, now - start_at, current)
                 self.last_plan = decision.reason
-                log.info("planner: %s", decision.reason)
-                if decision.target != current:
+                if decision.target == current:
+                    self._event(f"planner: {decision.reason}")
+                else:
                     self._event(f"planner: {decision.reason}; moving to {decision.target}")
                     self.scale(decision.target.prefill, decision.target.decode)
                     changed_at = time.monotonic()
                 start, start_at = scrape(self._gateway_url()), time.monotonic()  # windows never span a change
-            except Exception:  # never let the loop die; the next window tries again
+            except Exception as e:  # never let the loop die; the next window tries again
                 log.exception("planner round failed")
+                self._event(f"planner: round failed: {e}")
 
     # ---- gateway ------------------------------------------------------------------------
 

@@ -34,6 +34,9 @@ def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_
 
 def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> list[dict]:
     """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests."""
+    if "deployments" in bench:
+        raise ValueError(f"a comparison file: validate one of its deployments ({', '.join(bench['deployments'])}) "
+                         "with --deployment NAME")
     rows = []
     for run in bench["runs"]:
         done = [r for r in run["requests"] if r.get("status") == "ok"]
@@ -43,8 +46,8 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
         sim = summarize(simulate(profile, pools, [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"])
                                                   for r in done]), slo_ttft, slo_tpot)
         measured_ttft = _p90([r["ttft_s"] for r in done])
-        measured_tpot = _p90([r["tpot_s"] for r in done if r["output_tokens"] > 1])
-        good = sum(1 for r in done if r["ttft_s"] <= slo_ttft and r["tpot_s"] <= slo_tpot)
+        measured_tpot = _p90([r["tpot_s"] for r in done if r.get("tpot_s") is not None])
+        good = sum(1 for r in done if r["ttft_s"] <= slo_ttft and (r.get("tpot_s") or 0.0) <= slo_tpot)
         rows.append({"rate": run.get("rate"), "measured_ttft_p90": measured_ttft, "sim_ttft_p90": sim["ttft_p90"],
                      "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
                      "measured_attainment": good / len(run["requests"]), "sim_attainment": sim["attainment"]})
@@ -83,6 +86,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--validate", help="a `pdserve bench --json` file to replay instead")
     p.add_argument("--prefill", type=int, help="with --validate: the measured deployment's prefill workers")
     p.add_argument("--decode", type=int, help="with --validate: its decode workers")
+    p.add_argument("--deployment", help="with --validate of a `pdserve bench --compare` file: which deployment")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
 
@@ -120,7 +124,16 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
         return 2
     with open(args.validate) as f:
         bench = json.load(f)
-    rows = validate(profile, Pools(args.prefill, args.decode), bench, args.slo_ttft, args.slo_tpot)
+    if args.deployment:
+        bench = bench.get("deployments", {}).get(args.deployment)
+        if bench is None:
+            print(f"pdserve tune: {args.validate} has no deployment {args.deployment!r}", file=sys.stderr)
+            return 2
+    try:
+        rows = validate(profile, Pools(args.prefill, args.decode), bench, args.slo_ttft, args.slo_tpot)
+    except ValueError as e:
+        print(f"pdserve tune: {e}", file=sys.stderr)
+        return 2
     print(f"{'rate':>6} {'TTFT p90 meas':>13} {'sim':>7} {'err':>6} {'TPOT p90 meas':>13} {'sim':>7} {'err':>6} "
           f"{'attain meas':>11} {'sim':>5}")
     for r in rows:

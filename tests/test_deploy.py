@@ -118,8 +118,10 @@ def test_serve_streams_a_completion(embedded):
         model="smollm2", messages=CHAT, max_tokens=16, temperature=0, stream=True) if c.choices]
     assert "Paris" in "".join(parts)
     assert _answers(url)
+    time.sleep(7)  # three health rounds (2 s apart) and more: every worker passes them
     status = _status(address)
-    assert [s["state"] for s in status["pools"]["prefill"] + status["pools"]["decode"]] == ["ready", "ready"]
+    workers = status["pools"]["prefill"] + status["pools"]["decode"]
+    assert [(w["state"], w["restarts"]) for w in workers] == [("ready", 0), ("ready", 0)], workers
 
 
 def _load(url: str, stop: threading.Event, results: list[int]) -> None:
@@ -275,3 +277,52 @@ def test_pools_land_on_the_nodes_with_their_resources_and_kv_crosses(smollm2_dir
             assert moved and moved[0] > 0, metrics  # the prompt's KV crossed from one node to the other
     finally:
         cluster.shutdown()
+
+
+def _closed_loop(url: str, stop: threading.Event, body: dict, results: list[int]) -> None:
+    with httpx.Client(timeout=120) as http:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            prompt = body["prompt"] if isinstance(body["prompt"], str) else None
+            payload = {**body, "prompt": f"{threading.get_ident()} {i} {prompt}"} if prompt else body
+            results.append(http.post(f"{url}/v1/completions", json=payload).status_code)
+
+
+def _pool_sizes(address: str) -> tuple[int, int]:
+    pools = _status(address)["pools"]
+    return len(pools["prefill"]), len(pools["decode"])
+
+
+def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, tmp_path):
+    """1 prefill + 2 decode workers under prompt-heavy load: the planner moves a worker to
+    prefill; then under output-heavy load it moves one back to decode. No request fails."""
+    from deploy.profile import measure
+
+    grid = {"prefill": [32, 256], "long_prompt": 1024, "decode_batch": [1, 4], "decode_context": [64, 256]}
+    measure(str(smollm2_dir), "bfloat16", 1, grid, say=lambda m: None).save(tmp_path / "profile.json")
+    (tmp_path / "planner.yaml").write_text(
+        "prefill: {replicas: 1}\ndecode: {replicas: 2}\n"
+        f"planner: {{enabled: true, profile: {tmp_path / 'profile.json'}, slo_ttft_s: 2.0, slo_tpot_s: 0.5,\n"
+        "          interval_s: 4, cooldown_s: 4, min_requests: 4}\n")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    story = "Tell me a long story about the sea and its ships. " * 60  # ~700 tokens
+    phases = [({"model": "smollm2", "prompt": story, "max_tokens": 2, "ignore_eos": True}, 2, (2, 1)),
+              ({"model": "smollm2", "prompt": "Count:", "max_tokens": 128, "ignore_eos": True}, 12, (1, 2))]
+    with serving(log, "--config", str(tmp_path / "planner.yaml"), "--port", str(port), "--num-cpus", "5") \
+            as (_, address):
+        assert _pool_sizes(address) == (1, 2)
+        results: list[int] = []
+        for body, clients, target in phases:
+            stop = threading.Event()
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                loads = [pool.submit(_closed_loop, url, stop, body, results) for _ in range(clients)]
+                try:
+                    _wait_for(lambda: _pool_sizes(address) == target, 180, f"the planner moving to {target}", log)
+                finally:
+                    stop.set()
+                for f in loads:
+                    f.result()
+        assert "planner: " in log.read_text() and results and set(results) == {200}, set(results)
