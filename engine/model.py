@@ -12,9 +12,10 @@ from torch import nn
 
 import kernels
 import kernels.linear
+import kernels.reference
 from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
-from engine.rotary import RotaryEmbedding, apply_rotary
+from engine.rotary import RotaryEmbedding
 
 
 class Linear(nn.Linear):
@@ -30,11 +31,8 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32 (float64 stays float64), like the Hugging Face reference.
-
-    Not `F.rms_norm` on bf16 input: that loses the model (SmolLM2 answers gibberish), so
-    lower precisions are upcast first.
-    """
+    """Holds the norm's weight and eps; the math is the op set's `rms_norm` / `add_rms_norm`
+    (kernels.reference on CPU: float32 math, like the Hugging Face reference)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -42,9 +40,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.float32, torch.float64):
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return kernels.reference.rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -62,26 +58,34 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,  # [num_tokens]
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (layer 0: embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the residual stream before x; None at layer 0
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [num_tokens, hidden]
+        """The residual adds are fused into the next norm: `add_rms_norm(x, residual)` is
+        (norm(residual + x), residual + x), the same numbers as adding first."""
         cfg = self.cfg
         n = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        norm = self.input_layernorm
+        if residual is None:
+            h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        qkv = self.qkv_proj(h)
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = apply_rotary(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *cos_sin)
+        qk = ops.rotary(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *cos_sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         attn = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(n, cfg.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up), residual
 
 
 class CausalLM(nn.Module):
@@ -108,10 +112,13 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        residual = None
         cos_sin = self.rotary.cos_sin(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, positions, cos_sin, k_cache, v_cache, meta, self.ops)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, k_cache, v_cache, meta, self.ops)
+        if residual is None:  # a model without layers
+            return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def prepare(self) -> None:
         """After the weights are loaded: pack matmul weights for the CPU kernels."""

@@ -1,7 +1,8 @@
 """Rotary position embeddings (rotate-half form), with the checkpoint's theta and scaling.
 
 Frequencies and the cos/sin table are computed in float32 exactly as Hugging Face does,
-then cast to the model dtype, so positions round the same way as the reference.
+then cast to the model dtype, so positions round the same way as the reference. Applying
+them is the op set's `rotary` (kernels.reference.rotary on CPU).
 """
 
 from __future__ import annotations
@@ -47,15 +48,3 @@ class RotaryEmbedding:
         """cos and sin rows for each token, [num_tokens, 1, head_dim]; computed once per step."""
         return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
 
-
-def apply_rotary(
-    x: torch.Tensor,  # [num_tokens, heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor,
-) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

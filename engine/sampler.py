@@ -11,6 +11,10 @@ picks token i with probability probs[i]. Rows without a seed draw E from the tor
 generator; rows with a seed derive E from a counter-based hash of (seed, output position,
 token id), so a seeded request samples the same tokens whatever shares its batch and
 whatever ran before.
+
+On a batched op set (the Triton kernels on CUDA) temperature, truncation and the draw run
+as one kernel over the whole batch (`ops.sample`, kernels/sampling.py), fed dense per-row
+parameters; its rows without a seed get a fresh seed per step from the torch generator.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+import kernels
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.seeded_random import seeded_exponentials
 
@@ -271,11 +276,33 @@ class Sampler:
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)  # [num_seqs]
         else:
-            token_ids = self._sample(sampling_probs(processed, meta), meta)
+            ops = kernels.get_ops(processed.device)
+            if ops.BATCHED:
+                token_ids = ops.sample(processed, meta.temperature, *self._dense_params(meta, processed.device))
+            else:
+                token_ids = self._sample(sampling_probs(processed, meta), meta)
             if meta.greedy is not None:
                 token_ids = torch.where(meta.greedy, processed.argmax(dim=-1), token_ids)
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, token_ids, ids, meta))
+
+    def _dense_params(self, meta: SamplingMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(top_k, top_p, min_p, seeds, positions), each [num_seqs], neutral where unused;
+        rows without a seed draw a random one (position 0) from the generator."""
+        n = meta.num_seqs
+        top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        top_p = torch.ones(n, dtype=torch.float32, device=device)
+        if meta.top_k_rows is not None:
+            top_k[meta.top_k_rows] = meta.top_k
+        if meta.top_p_rows is not None:
+            top_p[meta.top_p_rows] = meta.top_p
+        min_p = meta.min_p if meta.min_p is not None else torch.zeros(n, dtype=torch.float32, device=device)
+        seeds = torch.randint(0, 2**63 - 1, (n,), generator=self.generator, device=device)
+        positions = torch.zeros(n, dtype=torch.int64, device=device)
+        if meta.any_seeded:
+            seeds[meta.seeded_rows] = meta.seeds
+            positions[meta.seeded_rows] = meta.positions
+        return top_k, top_p, min_p, seeds, positions
 
     def _sample(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """argmax(probs / E), E ~ Exp(1): an exact draw from each row of `probs`."""

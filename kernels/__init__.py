@@ -1,19 +1,62 @@
 """Compute kernels behind one dispatch point.
 
-`get_ops(device)` returns the op set the model calls for paged attention. On CPU that is
-the torch reference implementation in `kernels.reference`; a CUDA build plugs Triton
-kernels in here (each beside its reference) without the model changing.
+`get_ops(device)` returns the op set the model, attention and sampler call: on CPU the
+torch ops in `kernels.reference` (the production CPU path, and every kernel's oracle), on
+CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
+paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and nowhere
+else, overrides the choice: `torch` takes the references everywhere, `triton` the Triton
+kernels everywhere (on CPU they run in Triton's interpreter: slow, for tests).
+
+An op set is a module with:
+  NAME, BATCHED   "torch"/False or "triton"/True
+  write_kv, rms_norm, add_rms_norm, rotary, pack_blocks, unpack_blocks
+  BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
+                  chunk over its gathered context), gather_context; engine/sampler.py
+                  samples with its own torch stages
+  BATCHED True:   paged_decode_attention (every decode of the step), paged_prefill_attention
+                  (every prefill chunk, varlen), sample (the whole batch)
+kernels.reference also has the BATCHED forms (the oracles of the Triton kernels).
 """
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 
 import torch
 
+_CHOICES = ("auto", "torch", "triton")
+
+
+def kernel_choice() -> str:
+    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, torch elsewhere), `torch` or `triton`."""
+    value = os.environ.get("PDSERVE_KERNELS", "").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"PDSERVE_KERNELS={value!r}: use one of {', '.join(_CHOICES)}")
+    return value
+
 
 def get_ops(device: torch.device | str) -> ModuleType:
-    """The kernel module for `device` (functions: write_kv, decode_attention, prefill_attention)."""
-    from kernels import reference
+    """The op set for tensors on `device` (see the module docstring)."""
+    choice = kernel_choice()
+    device = torch.device(device)
+    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+        from kernels import reference
 
-    return reference
+        return reference
+    return _triton_ops(device)
+
+
+def _triton_ops(device: torch.device) -> ModuleType:
+    if device.type == "cpu":
+        # The interpreter must be on before the kernels are defined (at their first import).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from kernels import triton_ops
+    except ImportError as e:
+        raise RuntimeError(f"the Triton kernels need the `triton` package ({e}); install it "
+                           "(pip install 'triton>=3.5') or set PDSERVE_KERNELS=torch") from e
+    if device.type == "cpu" and not triton_ops.INTERPRET:
+        raise RuntimeError("Triton kernels on CPU tensors run only in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before kernels.triton_ops is first imported")
+    return triton_ops

@@ -1,4 +1,5 @@
-"""Torch reference ops for paged attention (CPU production path, and the oracle for kernels).
+"""Torch reference ops: the CPU production path, and the oracle every Triton kernel is
+tested against (kernels/triton_ops.py has the same names and signatures).
 
 KV pool layout (see engine/kv_cache.py): per layer a view `k_cache, v_cache` of shape
 [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+NAME = "torch"
+BATCHED = False  # the engine calls attention per decode group / prefill span, samples itself
 
 
 def write_kv(
@@ -56,8 +60,8 @@ def prefill_attention(
     if num_new == ctx:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(ctx - num_new, ctx)
-        mask = torch.arange(ctx)[None, :] <= q_pos[:, None]  # [num_new, ctx]
+        q_pos = torch.arange(ctx - num_new, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [num_new, ctx]
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -68,3 +72,131 @@ def gather_context(
     ctx: int,
 ) -> torch.Tensor:  # [ctx, kv_heads, head_dim]
     return cache.index_select(0, block_table).flatten(0, 1)[:ctx]
+
+
+# --- Whole-batch forms: the same signatures as the Triton ops (kernels/triton_ops.py), ---
+# --- so each kernel is tested against the op here on identical arguments.            ---
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    width = block_tables.shape[1] * k_cache.shape[1]
+    valid = torch.arange(width, device=q.device)[None, :] < context_lens[:, None]
+    return decode_attention(q, k_cache, v_cache, block_tables, valid[:, None, None, :], scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], chunks already written
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    context_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    max_seqlen_q: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q)
+    cu, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i, ctx in enumerate(lens):
+        s, e = cu[i], cu[i + 1]
+        k = gather_context(k_cache, block_tables[i], ctx)
+        v = gather_context(v_cache, block_tables[i], ctx)
+        out[s:e] = prefill_attention(q[s:e], k, v, scale)
+    return out
+
+
+def pack_blocks(
+    pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    block_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [n, num_layers, 2, block_size, kv_heads, head_dim], contiguous
+    return pool.index_select(0, block_ids)
+
+
+def unpack_blocks(
+    pool: torch.Tensor,  # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+    block_ids: torch.Tensor,  # [n] int64, distinct
+    staging: torch.Tensor,  # [n, num_layers, 2, block_size, kv_heads, head_dim]
+) -> None:
+    pool.index_copy_(0, block_ids, staging)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:
+    """RMS norm in float32 (float64 stays float64), like the Hugging Face reference.
+
+    Not `F.rms_norm` on bf16 input: that loses the model (SmolLM2 answers gibberish), so
+    lower precisions are upcast first, normalised, cast back, then scaled by the weight.
+    """
+    if x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): the residual add fused with the next norm."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary(
+    x: torch.Tensor,  # [num_tokens, heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    """Rotary embedding, rotate-half form, in x's dtype (each op rounds, as in Hugging Face)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def sampling_mask(
+    logits: torch.Tensor,  # [num_seqs, vocab] float32
+    temperature: torch.Tensor,  # [num_seqs] float32 > 0
+    top_k: torch.Tensor,  # [num_seqs] int64, 0 (or >= vocab) = off
+    top_p: torch.Tensor,  # [num_seqs] float32, 1 = off
+    min_p: torch.Tensor,  # [num_seqs] float32, 0 = off
+) -> torch.Tensor:  # [num_seqs, vocab] bool: the tokens a row may sample
+    """top-k, then top-p on what top-k left, then min-p: engine/sampler.py's order and ties
+    (ties with the k-th logit stay; a token stays while the mass strictly before it < top_p)."""
+    scaled = logits / temperature[:, None]
+    vocab = scaled.shape[-1]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    keep = scaled >= kth
+    masked = scaled.masked_fill(~keep, float("-inf"))
+    sorted_logits, order = masked.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    keep &= ~torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    max_logit = scaled.max(dim=-1, keepdim=True).values  # truncation never drops the top token
+    keep &= ~(scaled < max_logit + min_p.log()[:, None])
+    return keep
+
+
+def sample(
+    logits: torch.Tensor,  # [num_seqs, vocab] float32, bias and penalties applied
+    temperature: torch.Tensor,  # [num_seqs] float32 > 0
+    top_k: torch.Tensor,  # [num_seqs] int64
+    top_p: torch.Tensor,  # [num_seqs] float32
+    min_p: torch.Tensor,  # [num_seqs] float32
+    exponentials: torch.Tensor,  # [num_seqs, vocab] float32 Exp(1) draws, all > 0
+) -> torch.Tensor:  # [num_seqs] int64
+    """The exponential race argmax(p / E) over the truncated softmax(logits / temperature).
+    The Triton op derives E from (seed, position) itself (engine.seeded_random's hash)."""
+    keep = sampling_mask(logits, temperature, top_k, top_p, min_p)
+    probs = (logits / temperature[:, None]).masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    return (probs / exponentials).argmax(dim=-1)
