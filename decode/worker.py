@@ -20,6 +20,7 @@ import grpc
 from decode.remote_prefill import Phase, RemotePrefillState, worker_is_gone
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 from engine.rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
@@ -229,7 +230,7 @@ class DecodeWorker(EngineLoop):
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
         stub = self._channels.get(address)
         if stub is None:
-            stub = self._channels[address] = pb_grpc.PrefillWorkerStub(grpc.insecure_channel(address))
+            stub = self._channels[address] = pb_grpc.PrefillWorkerStub(auth.channel(address))
         return stub
 
     # -- streams --------------------------------------------------------------------------

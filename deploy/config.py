@@ -151,6 +151,7 @@ class DeployConfig:
     drain_timeout_s: float = 30.0
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    internal_token: str | None = None  # the gRPC shared secret; None: a random one per deployment
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 import urllib.request
@@ -36,6 +37,7 @@ from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
 from deploy.planner import Planner, scrape
 from deploy.profile import Profile
 from deploy.simulator import Pools
+from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 
@@ -71,10 +73,12 @@ class Controller:
     """Methods are called by the `pdserve` CLI through Ray; one background thread runs the
     health rounds. A lock keeps rounds and scaling from interleaving."""
 
-    def __init__(self, config: dict, admin_token: str, driver_node_id: str):
+    def __init__(self, config: dict, admin_token: str, internal_token: str, driver_node_id: str):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = DeployConfig.from_dict(config, "controller")
         self.admin_token = admin_token
+        self.child_env = {auth.ENV: internal_token}  # every worker and the gateway: the gRPC secret
+        os.environ[auth.ENV] = internal_token  # this process's own channels send it
         self.driver_node = driver_node_id
         self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
         self.pools: dict[str, list[Slot]] = {"prefill": [], "decode": []}
@@ -178,7 +182,7 @@ class Controller:
         options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources),
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
         host = WorkerHost.options(**options).remote(role, worker_id, self.config.model, self.config.dtype,
-                                                    pool.worker_args(), self.log_dir)
+                                                    pool.worker_args(), self.log_dir, self.child_env)
         self._event(f"{role} worker {worker_id}: placed, loading {self.config.model}")
         return Slot(role, worker_id, pg, host)
 
@@ -268,7 +272,7 @@ class Controller:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self.channels:
-            self.channels[address] = grpc.insecure_channel(address)
+            self.channels[address] = auth.channel(address)
         return self.channels[address]
 
     def _stub(self, slot: Slot):
@@ -328,7 +332,8 @@ class Controller:
     def _start_gateway(self) -> None:
         strategy = NodeAffinitySchedulingStrategy(self.driver_node, soft=False)  # where the user reaches it
         self.gateway = GatewayHost.options(num_cpus=0, scheduling_strategy=strategy).remote(
-            self.config.model, self.config.served_name, self.config.gateway.args(), self.admin_token, self.log_dir)
+            self.config.model, self.config.served_name, self.config.gateway.args(), self.admin_token, self.log_dir,
+            self.child_env)
         self.gateway_started = ray.get(self.gateway.info.remote(), timeout=60)["started"]
 
     def _gateway_url(self) -> str:

@@ -65,7 +65,8 @@ def _node_ip() -> str:
 class WorkerHost:
     """One prefill or decode worker process, bound to this node's cluster-internal address."""
 
-    def __init__(self, role: str, worker_id: str, model: str, dtype: str, args: list[str], log_dir: str):
+    def __init__(self, role: str, worker_id: str, model: str, dtype: str, args: list[str], log_dir: str,
+                 env: dict[str, str]):
         self.role, self.worker_id = role, worker_id
         self.incarnation = int(time.time() * 1000)
         self.address = ""
@@ -73,7 +74,7 @@ class WorkerHost:
         cmd = [sys.executable, "-m", role, "--model", model, "--dtype", dtype, "--host", _node_ip(), "--port", "0",
                "--worker-id", worker_id, "--incarnation", str(self.incarnation), *args]
         log = Path(log_dir) / f"{role}-{worker_id}-{self.incarnation}.log"
-        self.process = HostedProcess(cmd, log, {"OMP_NUM_THREADS": threads})
+        self.process = HostedProcess(cmd, log, {**env, "OMP_NUM_THREADS": threads})
 
     def ready(self, timeout_s: float) -> str:
         """Block until the worker prints its address; raise with its log tail if it cannot start."""
@@ -105,13 +106,14 @@ class WorkerHost:
 class GatewayHost:
     """The gateway process; its worker lists come from the controller (PUT /admin/workers)."""
 
-    def __init__(self, model: str, served_name: str | None, args: list[str], admin_token: str, log_dir: str):
+    def __init__(self, model: str, served_name: str | None, args: list[str], admin_token: str, log_dir: str,
+                 env: dict[str, str]):
         cmd = [sys.executable, "-m", "gateway", "--model", model, *args]
         if served_name:
             cmd += ["--served-name", served_name]
         self.started = time.time()
         log = Path(log_dir) / f"gateway-{int(self.started * 1000)}.log"
-        self.process = HostedProcess(cmd, log, {"PDSERVE_ADMIN_TOKEN": admin_token})
+        self.process = HostedProcess(cmd, log, {**env, "PDSERVE_ADMIN_TOKEN": admin_token})
 
     def info(self) -> dict:
         return {"alive": self.process.alive(), "pid": self.process.proc.pid, "host_pid": os.getpid(),

@@ -127,7 +127,8 @@ def _run(ray, config: DeployConfig, stop: threading.Event) -> int:
     except ValueError:
         pass
     controller = ControllerActor.options(name=CONTROLLER, namespace=NAMESPACE).remote(
-        config.to_dict(), secrets.token_urlsafe(24), ray.get_runtime_context().get_node_id())
+        config.to_dict(), secrets.token_urlsafe(24), config.internal_token or secrets.token_urlsafe(24),
+        ray.get_runtime_context().get_node_id())
     code, seen = 0, 0
     try:
         started = controller.start.remote()

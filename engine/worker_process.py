@@ -19,6 +19,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
+from engine.rpc.auth import ServerAuth, internal_token
 from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
 
@@ -68,7 +69,9 @@ def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: s
 
 def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: int) -> None:
     """Run the worker's loop and gRPC server until SIGTERM or Ctrl-C, then stop both."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"))
+    token = internal_token()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
+                         interceptors=[ServerAuth(token)] if token else None)
     add_servicer(server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 from grpc import aio
 
+from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 
@@ -26,7 +27,7 @@ class Backend:
     def _channel(self, address: str) -> aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = aio.insecure_channel(address)
+            ch = self._channels[address] = auth.aio_channel(address)
         return ch
 
     def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> aio.UnaryStreamCall:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import grpc
 
+from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
 
@@ -39,7 +40,7 @@ class WorkerProc:
     @property
     def stub(self):
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = auth.channel(self.address)
         cls = pb_grpc.DecodeWorkerStub if self.role == "decode" else pb_grpc.PrefillWorkerStub
         return cls(self._channel)
 

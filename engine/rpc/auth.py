@@ -1,0 +1,96 @@
+"""A shared secret on the internal gRPC (gateway, controller and workers).
+
+Every process of a deployment gets the same PDSERVE_INTERNAL_TOKEN in its environment
+(`pdserve serve` makes a random one unless the config names one). Workers then refuse any
+call without it (UNAUTHENTICATED), and every client here sends it as `x-pdserve-token`
+metadata. With the variable unset (workers started by hand for local use) nothing is
+checked. The token is compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+import grpc
+from grpc import aio
+
+ENV = "PDSERVE_INTERNAL_TOKEN"
+HEADER = "x-pdserve-token"
+
+
+def internal_token() -> str | None:
+    return os.environ.get(ENV) or None
+
+
+class ServerAuth(grpc.ServerInterceptor):
+    """Rejects calls whose metadata lacks the token (a no-op without one)."""
+
+    def __init__(self, token: str | None):
+        self._token = token.encode() if token else None
+
+    def _allowed(self, metadata) -> bool:
+        given = next((v for k, v in metadata or () if k == HEADER), "")
+        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._token)
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or self._token is None or self._allowed(handler_call_details.invocation_metadata):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token")
+
+        kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+                 (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+        make = kinds[(handler.request_streaming, handler.response_streaming)]
+        return make(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, details, metadata):
+        self.method, self.timeout, self.credentials = details.method, details.timeout, details.credentials
+        self.wait_for_ready, self.compression = details.wait_for_ready, details.compression
+        self.metadata = metadata
+
+
+class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._pair = (HEADER, token)
+
+    def _details(self, details):
+        return _Details(details, [*(details.metadata or ()), self._pair])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+
+class _AioClientAuth(aio.UnaryUnaryClientInterceptor, aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._pair = (HEADER, token)
+
+    def _details(self, details):
+        metadata = aio.Metadata(*(details.metadata or ()), self._pair)
+        return aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                     details.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def channel(address: str) -> grpc.Channel:
+    """A channel to a worker that sends the internal token (if this process has one)."""
+    ch = grpc.insecure_channel(address)
+    token = internal_token()
+    return grpc.intercept_channel(ch, _ClientAuth(token)) if token else ch
+
+
+def aio_channel(address: str) -> aio.Channel:
+    token = internal_token()
+    return aio.insecure_channel(address, interceptors=[_AioClientAuth(token)] if token else None)
