@@ -49,3 +49,21 @@ def test_calls_with_the_secret_are_served(worker, monkeypatch):
         stub = pb_grpc.DecodeWorkerStub(channel)
         assert stub.Health(pb.HealthRequest(deep=True), timeout=10).ok
         assert len(_generate(stub)) == 3
+
+
+def test_the_gateways_async_channel_sends_the_secret_on_streams_too(worker, monkeypatch):
+    """grpc.aio files an interceptor under one call kind only: streaming calls need their own."""
+    import asyncio
+
+    monkeypatch.setenv(auth.ENV, SECRET)
+
+    async def run() -> tuple[bool, list[int]]:
+        async with auth.aio_channel(worker.address) as channel:
+            stub = pb_grpc.DecodeWorkerStub(channel)
+            ok = (await stub.Health(pb.HealthRequest(deep=True), timeout=10)).ok
+            req = pb.GenerateRequest(request_id="auth-aio", prompt_token_ids=[5, 6, 7],
+                                     params=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            return ok, [t async for msg in stub.Generate(req, timeout=30) for t in msg.token_ids]
+
+    ok, tokens = asyncio.run(run())
+    assert ok and len(tokens) == 3
