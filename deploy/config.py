@@ -96,12 +96,14 @@ class GatewaySettings:
     tenants: str | None = None  # path to a tenants JSON file; None: open, no keys
     max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer; None: never shed
     max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
+    max_prompt_tokens: int | None = None  # longer prompts get 413; None: the context limit
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _at_least(self, 0, "max_ttft_s", strict=True)
-        _at_least(self, 1, "max_output_tokens")
+        _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes")
 
     def args(self) -> list[str]:
         """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
@@ -112,7 +114,9 @@ class GatewaySettings:
         args += ["--max-ttft", "inf" if self.max_ttft_s is None else str(self.max_ttft_s)]
         if self.max_output_tokens is not None:
             args += ["--max-output-tokens", str(self.max_output_tokens)]
-        return args
+        if self.max_prompt_tokens is not None:
+            args += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ def main() -> None:
                     help="answer 429 at once when the predicted time to first token is over this (seconds)")
     ap.add_argument("--max-output-tokens", type=int, default=None,
                     help="cap on a request's max_tokens, and its default (default: the context limit)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="longer prompts get 413 (default: the context limit)")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     args = ap.parse_args()
     admin_token = os.environ.get("PDSERVE_ADMIN_TOKEN") or None
     if not args.decode and not admin_token:
@@ -45,7 +48,8 @@ def main() -> None:
     tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
-                           max_output_tokens=args.max_output_tokens, admin_token=admin_token)
+                           max_output_tokens=args.max_output_tokens, admin_token=admin_token,
+                           max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
 

@@ -181,10 +181,12 @@ def test_bundle_reserves_what_the_pool_asks():
 
 
 def test_gateway_args_only_name_what_is_set():
-    assert GatewaySettings().args() == ["--host", "127.0.0.1", "--port", "8000", "--max-ttft", "60.0"]
-    full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64)
+    assert GatewaySettings().args() == ["--host", "127.0.0.1", "--port", "8000", "--max-ttft", "60.0",
+                                        "--max-body-bytes", "1048576"]
+    full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64,
+                           max_prompt_tokens=4000, max_body_bytes=4096)
     assert full.args() == ["--host", "0.0.0.0", "--port", "80", "--tenants", "t.json", "--max-ttft", "inf",
-                           "--max-output-tokens", "64"]
+                           "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--max-body-bytes", "4096"]
 
 
 def test_overrides_make_a_new_validated_config():

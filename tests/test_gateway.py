@@ -174,6 +174,20 @@ def test_oversized_body_is_413(system):
     assert resp.status_code == 413 and "error" in resp.json()
 
 
+def test_configured_limits_on_prompt_tokens_and_body_size(system, smollm2_dir, tmp_path):
+    _, prefill, decode = system
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
+                 "--max-prompt-tokens", "50", "--max-body-bytes", "3000") as url:
+        long = httpx.post(f"{url}/v1/completions", timeout=30,
+                          json={"model": "smollm2", "prompt": "word " * 100, "max_tokens": 2})
+        assert long.status_code == 413 and long.json()["error"]["param"] == "prompt", long.text
+        big = httpx.post(f"{url}/v1/completions", timeout=30,
+                         json={"model": "smollm2", "prompt": "x", "max_tokens": 2, "user": "u" * 4000})
+        assert big.status_code == 413, big.text
+        ok = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
 def test_openai_client_surfaces_the_errors(client):
     with pytest.raises(NotFoundError):
         client.chat.completions.create(model="other", messages=CHAT)
