@@ -43,6 +43,8 @@ class Profile:
     prefill_coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     decode_coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     transfer_s: float = 0.004  # KV push per request (bench.transfer: ~3 ms for 2k SmolLM2 tokens)
+    ttft_overhead_s: float = 0.0  # the serving path's latency to the client (HTTP, gRPC, routing); calibrated
+    step_overhead_s: float = 0.0  # what serving adds to each decode step (streaming, contention); calibrated
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
         a, b, c = self.prefill_coef
@@ -50,7 +52,7 @@ class Profile:
 
     def decode_step_s(self, batch: int, context: float) -> float:
         a, b, c = self.decode_coef
-        return a + b * batch + c * batch * context
+        return self.step_overhead_s + a + b * batch + c * batch * context
 
     def fit(self) -> Profile:
         self.prefill_coef = _nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],

@@ -221,6 +221,11 @@ def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, in
         raise ValueError(f"a request of {too_big[0].prompt}+{too_big[0].output} tokens exceeds a worker's KV "
                          f"capacity ({profile.kv_tokens} tokens)")
     _Sim(profile, pools, max_num_seqs).run(reqs)
+    if profile.ttft_overhead_s:  # the serving path's latency: every token reaches the client that much later
+        for r in reqs:
+            r.first_token += profile.ttft_overhead_s
+            r.finish += profile.ttft_overhead_s
+            r.token_times = [t + profile.ttft_overhead_s for t in r.token_times]
     return reqs
 
 

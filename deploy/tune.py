@@ -12,8 +12,10 @@ simulator's error on p90 TTFT, p90 TPOT and goodput.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
 import sys
 
 from deploy.profile import Profile
@@ -54,6 +56,27 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
     return rows
 
 
+def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> Profile:
+    """The profile with the serving overheads measured on the bench's lowest-rate run: the mean
+    TPOT the simulator misses becomes a per-step overhead, then the mean TTFT it misses a
+    per-request one (what HTTP, gRPC, streaming and the other processes on the machine add)."""
+    runs = [r for r in bench.get("runs", []) if r.get("rate")]
+    if not runs:
+        return profile
+    low = min(runs, key=lambda r: r["rate"])
+    done = [r for r in low["requests"] if r.get("status") == "ok"]
+    t0 = min(r["arrival_s"] for r in low["requests"])
+    requests = [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"]) for r in done]
+    tpots = [r["tpot_s"] for r in done if r.get("tpot_s") is not None]
+    profile = dataclasses.replace(profile, ttft_overhead_s=0.0, step_overhead_s=0.0)
+    if tpots:
+        sim = summarize(simulate(profile, pools, requests), slo_ttft, slo_tpot)
+        profile.step_overhead_s = max(0.0, statistics.fmean(tpots) - sim["mean_tpot"])
+    sim = summarize(simulate(profile, pools, requests), slo_ttft, slo_tpot)
+    profile.ttft_overhead_s = max(0.0, statistics.fmean(r["ttft_s"] for r in done) - sim["mean_ttft"])
+    return profile
+
+
 def goodput_of(rows: list[dict], key: str) -> float:
     """The highest rate whose attainment (measured or simulated) reaches the target."""
     passing = [r["rate"] for r in rows if r["rate"] is not None and r[key] >= TARGET_ATTAINMENT]
@@ -87,6 +110,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, help="with --validate: the measured deployment's prefill workers")
     p.add_argument("--decode", type=int, help="with --validate: its decode workers")
     p.add_argument("--deployment", help="with --validate of a `pdserve bench --compare` file: which deployment")
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --validate: first measure the serving overheads on the lowest-rate run")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
 
@@ -129,8 +154,13 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
         if bench is None:
             print(f"pdserve tune: {args.validate} has no deployment {args.deployment!r}", file=sys.stderr)
             return 2
+    pools = Pools(args.prefill, args.decode)
+    if args.calibrate and "runs" in bench:
+        profile = calibrate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
+        print(f"calibrated on the lowest rate: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token, "
+              f"+{profile.step_overhead_s * 1e3:.0f} ms per decode step")
     try:
-        rows = validate(profile, Pools(args.prefill, args.decode), bench, args.slo_ttft, args.slo_tpot)
+        rows = validate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
     except ValueError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2

@@ -171,3 +171,16 @@ def test_gateway_metrics_parse_into_counters():
     assert (c.requests, c.prompt_tokens, c.output_tokens) == (10, 1000, 250)
     assert (c.ttft_sum, c.ttft_count, c.tpot_sum, c.tpot_count) == (2.5, 10, 0.9, 9)
     assert c.minus(Counters(requests=4)).requests == 6 and not math.isnan(c.ttft_sum)
+
+
+def test_calibration_recovers_the_serving_overheads_of_a_run():
+    serving = _profile(ttft_overhead_s=0.2, step_overhead_s=0.03)  # what the "measured" run had
+    reqs = simulate(serving, Pools(1, 1), poisson_requests([(300, 40)] * 40, 0.2, seed=3))
+    bench = {"runs": [{"rate": 0.2, "requests": [
+        {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
+         "tpot_s": r.tpot, "status": "ok"} for r in reqs]}]}
+    from deploy.tune import calibrate
+
+    fitted = calibrate(_profile(), Pools(1, 1), bench, 2.0, 0.2)
+    assert fitted.step_overhead_s == pytest.approx(0.03, rel=0.05)
+    assert fitted.ttft_overhead_s == pytest.approx(0.2, rel=0.05)
