@@ -112,6 +112,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deployment", help="with --validate of a `pdserve bench --compare` file: which deployment")
     p.add_argument("--calibrate", action="store_true",
                    help="with --validate: first measure the serving overheads on the lowest-rate run")
+    p.add_argument("--save-profile", help="with --calibrate: write the calibrated profile here (for tune)")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
 
@@ -159,6 +160,8 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
         profile = calibrate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
         print(f"calibrated on the lowest rate: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token, "
               f"+{profile.step_overhead_s * 1e3:.0f} ms per decode step")
+        if args.save_profile:
+            profile.save(args.save_profile)
     try:
         rows = validate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
     except ValueError as e:
