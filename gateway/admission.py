@@ -4,7 +4,9 @@ Predicted TTFT = (prompt tokens admitted and still waiting for their first token
 prompt) / the measured prefill rate; and a prompt that no decode worker has KV headroom for
 would wait for running requests to finish, so it is refused too. The rate is learned from the system's own first
 tokens (an exponential moving average of prompt tokens per second of TTFT), so a 429 takes
-milliseconds instead of a client timing out after the queue finally reaches it.
+milliseconds instead of a client timing out after the queue finally reaches it. With nothing
+queued, a request is always admitted: the rate learnt from short prompts underestimates the
+prefill rate (TTFT carries fixed latency), which must not keep an idle system shedding.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class Admission:
         if not kv_room:
             raise APIError(429, f"overloaded: no decode worker has KV cache room for {prompt_tokens} prompt tokens "
                                 "now; retry later", code="overloaded", headers={"Retry-After": "1"})
-        if self.max_ttft_s is not None:
+        if self.max_ttft_s is not None and self.queued_tokens > 0:  # nothing waiting: nothing to shed for
             predicted = self.predicted_ttft(prompt_tokens)
             if predicted > self.max_ttft_s:
                 wait = max(1, math.ceil(predicted - self.max_ttft_s))

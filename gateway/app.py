@@ -80,6 +80,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     backend = Backend(config.decode, config.prefill)
     ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
     admission = Admission(config.max_ttft_s)
+    exported: set[str] = set()  # workers with series in the /metrics gauges
 
     def observe_stats(stats: dict[str, pb.StatsResponse | None]) -> None:
         """Workers' Stats into the router's KV headroom and the /metrics gauges."""
@@ -87,6 +88,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
             s = stats.get(w.address)
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
+        live = {(s.worker or address) for address, s in stats.items() if s is not None}
+        for gone in set(exported) - live:  # a replaced incarnation: its series end
+            for gauge in WORKER_GAUGES.values():
+                try:
+                    gauge.remove(gone)
+                except KeyError:
+                    pass
+            exported.discard(gone)
+        exported.update(live)
         for address, s in stats.items():
             if s is None:
                 continue
@@ -131,13 +141,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
-            return JSONResponse({"error": {"message": f"request body over {config.max_body_bytes} bytes",
-                                           "type": "invalid_request_error", "param": None, "code": None}}, 413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict:
@@ -195,19 +199,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompt = await asyncio.to_thread(_chat_ids, messages)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        return await _serve("chat", body, prompt, tenant)
+        except (TypeError, UnicodeError):  # e.g. a lone surrogate (valid JSON, not valid text)
+            raise APIError(400, "messages: text is not valid Unicode (unpaired surrogate?)", "messages") from None
+        return await _serve("chat", body, prompt, tenant, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
+            try:
+                prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
+            except (TypeError, UnicodeError):  # e.g. a lone surrogate (valid JSON, not valid text)
+                raise APIError(400, "prompt: text is not valid Unicode (unpaired surrogate?)", "prompt") from None
         else:
             prompt = list(body.prompt)
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
-        return await _serve("completion", body, prompt, tenant)
+        return await _serve("completion", body, prompt, tenant, request)
 
     def _chat_ids(messages: list[dict]) -> list[int]:
         return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
@@ -255,7 +264,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         p.ignore_eos = body.ignore_eos
         return p
 
-    async def _serve(kind: str, body, prompt: list[int], tenant):
+    async def _serve(kind: str, body, prompt: list[int], tenant, request: Request):
         endpoint = "chat" if kind == "chat" else "completions"
         params = _params(body, len(prompt))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -296,6 +305,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     log.info("request %s: decode worker %s unavailable, retrying on another", rid, worker.address)
                     worker.healthy = False
                     tried.add(worker.address)
+                    # a fresh id: a prefill worker may still hold the dead attempt's (and refuse a duplicate)
+                    req.request_id = f"{rid}-retry"
                     continue
                 tenant.release(cost)
                 admission.first_token(len(prompt), 0.0)
@@ -318,7 +329,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if body.stream:
             return StreamingResponse(_sse(kind, rid, body, released()), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return JSONResponse(await _collect(kind, released(), rid, body))
+        return await _collect_unless_gone(request, _collect(kind, released(), rid, body))
+
+    async def _collect_unless_gone(request: Request, collect) -> Response:
+        """A non-streamed answer, abandoned (and the decode worker's call cancelled) when the
+        client disconnects: nobody would read it."""
+        task = asyncio.ensure_future(collect)
+        while not (await asyncio.wait({task}, timeout=0.5))[0]:
+            if await request.is_disconnected():
+                task.cancel()  # unwinds through released(): the gRPC call is cancelled, the slots freed
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
+        return JSONResponse(task.result())
 
     async def _start(address: str, req: pb.GenerateRequest):
         """Open the Generate stream and wait for its first message (admission errors surface here)."""
@@ -431,6 +456,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 "created": int(time.time()), "model": config.model_name, "choices": [choice], "usage": usage}
 
     return app
+
+
+class BodyLimit:
+    """413 for a declared body over the limit. Plain ASGI, not @app.middleware: Starlette's
+    BaseHTTPMiddleware hides client disconnects from the endpoint (Request.is_disconnected)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            size = dict(scope.get("headers") or ()).get(b"content-length", b"")
+            if size.isdigit() and int(size) > self.max_bytes:
+                body = {"error": {"message": f"request body over {self.max_bytes} bytes",
+                                  "type": "invalid_request_error", "param": None, "code": None}}
+                await JSONResponse(body, 413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _data(obj: dict) -> bytes:

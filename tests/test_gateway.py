@@ -137,6 +137,15 @@ def test_client_disconnect_frees_the_blocks(system):
         assert s.free_blocks == s.total_blocks and s.running_requests == 0 and s.waiting_requests == 0
 
 
+def test_a_client_leaving_a_non_streamed_request_cancels_it(system):
+    url, _, decode = system
+    body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up long before 2000 tokens
+        httpx.post(f"{url}/v1/completions", json=body, timeout=2.0)
+    s = wait_idle(decode, timeout_s=15)  # cancelled within a poll (0.5 s) and a step, not after 2000 tokens
+    assert s.running_requests == 0 and s.free_blocks == s.total_blocks, s
+
+
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     ({"model": "smollm2", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
@@ -151,6 +160,7 @@ def test_client_disconnect_frees_the_blocks(system):
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 413, "messages"),
     ({"model": "gpt-5", "messages": CHAT}, 404, "model"),
     (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800 hi"}]}', 400, "messages"),
 ])
 def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(system, client, body, status, param):
     url = system[0]
