@@ -310,7 +310,7 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
     log = tmp_path / "serve.log"
     story = "Tell me a long story about the sea and its ships. " * 60  # ~700 tokens
     phases = [({"model": "smollm2", "prompt": story, "max_tokens": 2, "ignore_eos": True}, 2, (2, 1)),
-              ({"model": "smollm2", "prompt": "Count:", "max_tokens": 128, "ignore_eos": True}, 12, (1, 2))]
+              ({"model": "smollm2", "prompt": "Count:", "max_tokens": 128, "ignore_eos": True}, 24, (1, 2))]
     with serving(log, "--config", str(tmp_path / "planner.yaml"), "--port", str(port), "--num-cpus", "5") \
             as (_, address):
         assert _pool_sizes(address) == (1, 2)
