@@ -11,9 +11,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
+FAULT_STALL_FILE = "PDSERVE_FAULT_STALL_FILE"
+
+
 def fault_stall_file() -> Path | None:
     """PDSERVE_FAULT_STALL_FILE: fault injection for tests and chaos runs. While this file
-    exists, a worker's engine loop stalls (its gRPC server keeps answering), like a wedged
-    worker. Unset in production."""
-    value = os.environ.get("PDSERVE_FAULT_STALL_FILE")
+    exists and is empty, or names the worker (`decode-0-<incarnation>`, whitespace-separated
+    names), the worker's engine loop stalls (its gRPC server keeps answering), like a wedged
+    worker. So one variable set for a whole deployment can wedge one chosen worker. Unset in
+    production."""
+    value = os.environ.get(FAULT_STALL_FILE)
     return Path(value) if value else None

@@ -27,8 +27,11 @@ _IDLE_WAIT_S = 0.001
 
 
 class EngineLoop:
+    name = ""  # the worker's name (role-id-incarnation), set by subclasses: the stall fault matches it
+
     def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
         self.engine = engine
+        self._stall_file = envs.fault_stall_file()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -83,9 +86,8 @@ class EngineLoop:
     # -- the loop -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        stall_file = envs.fault_stall_file()
         while not self._stop.is_set():
-            while stall_file is not None and stall_file.exists() and not self._stop.is_set():
+            while self._stalled():
                 time.sleep(0.01)  # injected fault: a wedged loop behind a live gRPC server
             self.last_iteration = time.monotonic()
             try:
@@ -99,6 +101,16 @@ class EngineLoop:
                     self._idle_command = self._commands.get(timeout=_IDLE_WAIT_S)
                 except queue.Empty:
                     pass
+
+    def _stalled(self) -> bool:
+        """The injected wedge (envs.fault_stall_file): its file exists and is empty or names us."""
+        if self._stall_file is None or self._stop.is_set():
+            return False
+        try:
+            names = self._stall_file.read_text().split()
+        except OSError:  # no file (the usual case): one failed open per iteration
+            return False
+        return not names or self.name in names
 
     def _iterate(self) -> bool:
         busy = self._drain()
