@@ -331,13 +331,12 @@ def test_no_kv_headroom_is_a_fast_429_and_too_big_a_prompt_a_413(system, smollm2
                 assert first.status_code == 200, first.read()
                 lines = first.iter_lines()
                 assert "error" not in next(_data_lines(lines))
-                t0 = time.monotonic()
                 other = httpx.post(f"{url}/v1/completions", timeout=30,
                                    json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
-                refused_in = time.monotonic() - t0
                 assert other.status_code == 429, other.text
                 assert "KV cache room" in other.json()["error"]["message"] and other.headers["retry-after"] == "1"
-            assert refused_in < 5, refused_in  # answered at once, not after the running request
+                # answered at once, not queued behind the running request: that one is still running
+                assert small.stats().running_requests == 1
             s = wait_idle(small)
             assert s.free_blocks == s.total_blocks
             time.sleep(0.5)  # a health round reads the freed blocks
