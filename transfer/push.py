@@ -12,18 +12,21 @@ earlier chunk completed, so the receiver's notification means all of the request
 blocks have landed. `abort()` stops posting; the `ABORTED` event (and the receiver's
 `abort` notification) come once nothing of the request is in flight. A dead peer
 surfaces as an error from NIXL on the next post or poll, a stuck one at the timeout.
+Injected faults (transfer/faults.py) delay or fail posts the same way.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from transfer import metrics
 from transfer.agent import TransferAgent
+from transfer.faults import FaultFile, InjectedTransferError
 from transfer.layout import region_indices
 from transfer.messages import NotifKind, encode
 from transfer.handshake import parse_agent_name
@@ -53,6 +56,7 @@ class _Chunk:
     local: list[int]
     remote: list[int]
     last: bool
+    queued_at: float = field(default_factory=time.monotonic)
     handle: object = None  # NIXL transfer handle once posted
 
 
@@ -76,6 +80,7 @@ class KVPusher:
         self.default_timeout_s = default_timeout_s
         self._pushes: dict[str, _Push] = {}
         self._events: list[PushEvent] = []
+        self._faults = FaultFile(agent.name)
 
     def start(self, request_id: str, peer: str, timeout_s: float | None = None) -> None:
         """Open a push of one request's KV into `peer` (an agent name added with add_peer)."""
@@ -140,10 +145,16 @@ class KVPusher:
                     self._notify_abort(p)
                     self._finish(p, PushStatus.ABORTED)
                 return
+            fault = self._faults.current()
             while p.queued:
                 chunk = p.queued[0]
                 if chunk.last and p.in_flight:
                     return  # the notification must follow every earlier write
+                if fault is not None:
+                    if time.monotonic() < chunk.queued_at + fault.delay_s:
+                        return  # a slow (or, with an infinite delay, stuck) link
+                    if random.random() < fault.error_rate:
+                        raise InjectedTransferError(f"injected fault ({self._faults.path})")
                 if not chunk.local:  # nothing to write; a last one still owes the notification
                     p.queued.popleft()
                     if chunk.last:
