@@ -94,7 +94,7 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = 8000
     tenants: str | None = None  # path to a tenants JSON file; None: open, no keys
-    max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer; None: never shed
+    max_ttft_s: float | None = 60.0  # TTFT bound: shed past 75% of it, predicted; None: never shed
     max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
     max_prompt_tokens: int | None = None  # longer prompts get 413; None: the context limit
     max_body_bytes: int = 1 << 20  # larger request bodies get 413

@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--tenants", help="JSON file of tenants and their API keys (default: open, no keys)")
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between deep health rounds")
     ap.add_argument("--max-ttft", type=float, default=60.0,
-                    help="answer 429 at once when the predicted time to first token is over this (seconds)")
+                    help="the TTFT bound (seconds): answer 429 at once when the predicted time to first token "
+                         "passes 75%% of it")
     ap.add_argument("--max-output-tokens", type=int, default=None,
                     help="cap on a request's max_tokens, and its default (default: the context limit)")
     ap.add_argument("--max-prompt-tokens", type=int, default=None,

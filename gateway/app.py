@@ -69,7 +69,7 @@ class GatewayConfig:
     max_prompt_tokens: int | None = None  # default: the context limit
     tenants: Tenants = field(default_factory=Tenants)
     health_interval_s: float = 2.0  # deep health of every worker; failing ones are skipped
-    max_ttft_s: float | None = 60.0  # shed requests predicted to wait longer (None: never shed)
+    max_ttft_s: float | None = 60.0  # TTFT bound: shed past 75% of it, predicted (None: never shed)
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
     admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
 
@@ -279,7 +279,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             REQUESTS.labels(endpoint, "429").inc()
             raise
         try:
-            admission.admit(len(prompt), kv_room=router.kv_room(len(prompt)))
+            ticket = admission.admit(len(prompt), kv_room=router.kv_room(len(prompt)))
         except APIError:
             tenant.release(cost)
             REQUESTS.labels(endpoint, "429").inc()
@@ -290,7 +290,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 worker = router.pick_decode(len(prompt), exclude=tried)
             except NoWorker:
                 tenant.release(cost)
-                admission.first_token(len(prompt), 0.0)
+                admission.first_token(ticket, None)
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             worker.outstanding_tokens += cost
@@ -309,11 +309,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     req.request_id = f"{rid}-retry"
                     continue
                 tenant.release(cost)
-                admission.first_token(len(prompt), 0.0)
+                admission.first_token(ticket, None)
                 REQUESTS.labels(endpoint, "error").inc()
                 raise
         ttft = time.monotonic() - started
-        admission.first_token(len(prompt), ttft)
+        admission.first_token(ticket, ttft)
         TTFT.observe(ttft)
         stream = _responses(kind, body, rid, call, first, len(prompt), started, started + ttft, endpoint)
 
