@@ -1,4 +1,4 @@
-"""The chaos scenarios of bench/chaos.py in their short form (`--quick` sizes), against the
+"""The chaos scenarios of bench/chaos/ in their short form (`--quick` sizes), against the
 real `pdserve serve` (embedded Ray, 1 prefill + 2 decode workers, SmolLM2): overload at 5x
 capacity on a deployment of its own whose gateway sheds past a TTFT bound; then, on one
 that never sheds, shared by the module, a cancellation storm, abuse, and the faults that

@@ -1,0 +1,49 @@
+"""Faults, overload and abuse against the real system: `python -m bench.chaos`.
+
+Starts `pdserve serve` (embedded Ray, SmolLM2 in float32, 1 prefill + 2 decode workers) as
+a subprocess and runs the scenarios against it one after another (docs/chaos.md says what
+each does): the overload on a deployment of its own whose gateway sheds past a TTFT bound,
+the others on one that never sheds. It prints one row per scenario:
+
+- completed: HTTP 200 and a finished answer (a stream: a finish_reason, then [DONE]);
+- failed cleanly: an OpenAI-shaped JSON error (429 shed, 503 no worker, ...), or an SSE
+  error event followed by [DONE];
+- dropped: a transport error, a stream cut before [DONE] or an error body that is not
+  JSON; expected only when the gateway process itself is killed;
+- hung: no end within the client's timeout (must be 0);
+- leaked blocks: once every worker is back and idle, KV blocks not free, summed over the
+  workers (Stats over the internal gRPC; must be 0);
+- recovery s: from the fault until a fresh request succeeds again.
+
+    python -m bench.chaos [--only storm,kill-decode] [--quick] [--json out.json]
+
+As root, run it in a loopback-only network namespace (embedded Ray binds to the node's address):
+    unshare -n -- sh -c 'ip link set lo up && OMP_NUM_THREADS=1 .venv/bin/python -m bench.chaos'
+
+The package, one concept a module: `sizes` (the constants and the scenario sizes),
+`report` (how a request ended, a scenario's result, the table), `client` (the HTTP client
+that classifies every answer), `deployment` (`pdserve serve` as a subprocess), `context`
+(what every scenario gets, and `settle` after it), the scenarios in `faults`, `load` and
+`abuse`, their order in `scenarios`, and the command line in `cli`.
+"""
+
+from __future__ import annotations
+
+from bench.chaos.abuse import abuse, fuzz, half_read
+from bench.chaos.cli import main
+from bench.chaos.client import client, completion, recover, send, until
+from bench.chaos.context import Chaos, settle
+from bench.chaos.deployment import BIN, REPO, Deployment, free_port
+from bench.chaos.faults import kill_decode, kill_gateway, kill_prefill, wedged_decode
+from bench.chaos.load import LEAVE_KINDS, overload, storm
+from bench.chaos.report import Outcome, Record, Result, table
+from bench.chaos.scenarios import SCENARIOS
+from bench.chaos.sizes import (CLIENT_TIMEOUT_S, FULL, KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TTFT_S, MODEL, QUICK,
+                               RECOVERY_TIMEOUT_S, TOKENS, Sizes)
+
+__all__ = [
+    "BIN", "CLIENT_TIMEOUT_S", "FULL", "KV_BLOCKS", "LEAVE_KINDS", "MAX_OUTPUT_TOKENS", "MAX_TTFT_S", "MODEL", "QUICK",
+    "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
+    "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_gateway",
+    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "until", "wedged_decode",
+]

@@ -1,0 +1,67 @@
+"""The command line: `python -m bench.chaos` runs the chosen scenarios on their deployments
+and prints the table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench.chaos.context import Chaos
+from bench.chaos.deployment import Deployment
+from bench.chaos.report import table
+from bench.chaos.scenarios import SCENARIOS
+from bench.chaos.sizes import FULL, MAX_TTFT_S, QUICK
+
+
+def _say(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    doc = sys.modules[__package__].__doc__  # the package's: its first paragraph says what this is
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=doc.split("\n\n")[0])
+    ap.add_argument("--only", help=f"comma-separated scenarios, of: {', '.join(SCENARIOS)}")
+    ap.add_argument("--quick", action="store_true", help="the small sizes tests/test_chaos.py uses")
+    ap.add_argument("--json", help="write every figure to this file")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
+    names = [n for n in SCENARIOS if n in names]  # the killers always last
+    sizes = QUICK if args.quick else FULL
+    results, trouble = [], []
+    # Shedding is the overload's subject only: the other scenarios test faults, so their
+    # deployment never sheds (a 429 would hide what a fault did to a request).
+    for group, bound in (([n for n in names if n == "overload"], MAX_TTFT_S),
+                         ([n for n in names if n != "overload"], None)):
+        if not group:
+            continue
+        dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, bound)
+        _say(f"starting pdserve serve, TTFT bound {bound} (log: {dep.log})")
+        dep.start()
+        ctx = Chaos(dep, sizes, random.Random(args.seed))
+        try:
+            for name in group:
+                _say(f"{name}: {SCENARIOS[name].__doc__.split(':')[0].strip()}")
+                results.append(asyncio.run(SCENARIOS[name](ctx)))
+                _say(f"{name}: done, {results[-1].problems() or 'no problem'}")
+        finally:
+            _say("stopping pdserve serve")
+            code, left = dep.stop()
+            if code != 0 or left:
+                trouble.append(f"pdserve serve exited with {code}; left running: {left}")
+    print(table(results))
+    print("\n".join(trouble))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"sizes": asdict(sizes), "results": [asdict(r) for r in results]},
+                                              indent=1, default=str))
+    return 0 if not trouble and not any(r.problems() for r in results) else 1

@@ -1,0 +1,124 @@
+"""The HTTP client: a completion request, sent and classified by how it ended, and the
+recovery probe."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from bench.chaos.report import Outcome, Record
+from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL, RECOVERY_TIMEOUT_S, TOKENS
+
+
+def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: bool = True) -> dict:
+    """Exactly max_tokens tokens on a fresh random prompt (no prefix-cache hits)."""
+    return {"model": MODEL, "prompt": [rng.choice(TOKENS) for _ in range(prompt_len)], "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0.0, "stream": stream}
+
+
+def client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+
+
+async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: float | None = None,
+               leave_after_chunks: int | None = None, on_text: Callable[[], None] | None = None,
+               timeout_s: float = CLIENT_TIMEOUT_S) -> Record:
+    """POST /v1/completions and say how it ended. The client leaves on purpose (closing the
+    connection) after `leave_after_s` seconds or after `leave_after_chunks` text chunks."""
+    rec = Record()
+    exchange = _exchange(http, url, body, rec, leave_after_chunks, on_text)
+    try:
+        if leave_after_s is None:
+            await asyncio.wait_for(exchange, timeout_s)
+        else:
+            try:
+                await asyncio.wait_for(exchange, leave_after_s)
+            except TimeoutError:
+                rec.outcome = Outcome.CANCELLED
+    except TimeoutError:
+        rec.outcome, rec.error = Outcome.HUNG, f"no end within {timeout_s:.0f}s"
+    return rec
+
+
+async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, leave_after_chunks: int | None,
+                    on_text: Callable[[], None] | None) -> None:
+    t0 = time.monotonic()
+    try:
+        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            rec.status, rec.answered_s = resp.status_code, time.monotonic() - t0
+            if resp.status_code != 200 or not body.get("stream"):
+                _classify_body(rec, await resp.aread())
+                return
+            errored = finished = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line.removeprefix("data: ")
+                if data == "[DONE]":
+                    rec.outcome = (Outcome.FAILED_CLEANLY if errored else
+                                   Outcome.COMPLETED if finished else Outcome.DROPPED)
+                    rec.error = rec.error or ("" if finished else "[DONE] without a finish_reason")
+                    return
+                if errored:
+                    rec.error += "; an event after the error event"
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    errored, rec.error = True, str(event["error"].get("message"))
+                    continue
+                for choice in event.get("choices") or ():
+                    if choice.get("text"):
+                        rec.chunks += 1
+                        if rec.ttft_s is None:
+                            rec.ttft_s = time.monotonic() - t0
+                            if on_text is not None:
+                                on_text()
+                    finished |= choice.get("finish_reason") is not None
+                if leave_after_chunks is not None and rec.chunks >= leave_after_chunks and not finished:
+                    rec.outcome = Outcome.CANCELLED  # leaving the block closes the connection
+                    return
+            rec.error = "the stream ended before [DONE]"
+    except (httpx.HTTPError, ValueError) as e:  # transport, or an event that is not JSON
+        rec.outcome, rec.error = Outcome.DROPPED, f"{type(e).__name__}: {e}"
+
+
+def _classify_body(rec: Record, raw: bytes) -> None:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    if rec.status == 200:
+        rec.outcome = Outcome.COMPLETED if isinstance(data, dict) and data.get("choices") else Outcome.DROPPED
+    elif isinstance(error, dict) and "message" in error:
+        rec.outcome, rec.code, rec.error = Outcome.FAILED_CLEANLY, error.get("code"), str(error["message"])
+    else:
+        rec.outcome, rec.error = Outcome.DROPPED, f"HTTP {rec.status} without a JSON error: {raw[:200]!r}"
+
+
+async def recover(http: httpx.AsyncClient, url: str, since: float, rng: random.Random,
+                  timeout_s: float = RECOVERY_TIMEOUT_S, prompt_len: int = 8) -> tuple[float | None, list[Record]]:
+    """Fresh small requests, one after another, until one completes: seconds since `since`."""
+    probes: list[Record] = []
+    while time.monotonic() < since + timeout_s:
+        rec = await send(http, url, completion(prompt_len, 2, rng, stream=False), timeout_s=60.0)
+        probes.append(rec)
+        if rec.outcome is Outcome.COMPLETED:
+            return time.monotonic() - since, probes
+        await asyncio.sleep(0.25)
+    return None, probes
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval_s)
+    return True

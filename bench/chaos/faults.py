@@ -1,0 +1,132 @@
+"""The fault scenarios: kill -9 of the prefill worker, of a decode worker, of the gateway,
+and a wedged decode worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+
+from bench.chaos.client import client, completion, recover, send, until
+from bench.chaos.context import Chaos, settle
+from bench.chaos.report import Outcome, Record, Result
+from bench.chaos.sizes import RECOVERY_TIMEOUT_S
+
+
+async def kill_prefill(ctx: Chaos) -> Result:
+    """kill -9 of the prefill worker while long prompts' KV is being pushed to the decode
+    workers: they must prefill elsewhere (locally) or fail cleanly."""
+    res, dep, n = Result("kill-prefill", fault=True), ctx.dep, ctx.sizes.streams
+    victim = await asyncio.to_thread(dep.worker, "prefill")
+    before = await asyncio.to_thread(dep.stats, victim)
+    offset = len(dep.log_text())
+
+    async def pushing() -> bool:  # busy, and some KV already moved: transfers are in flight
+        s = await asyncio.to_thread(dep.stats, victim)
+        return s is not None and s.kv_blocks_transferred > before.kv_blocks_transferred and \
+            (s.running_requests + s.waiting_requests) > 0
+
+    async with client() as http:
+        tasks = [asyncio.create_task(send(http, dep.url, completion(ctx.sizes.long_prompt, 8, ctx.rng)))
+                 for _ in range(n)]
+
+        async def pushing_or_over() -> bool:
+            return all(t.done() for t in tasks) or await pushing()
+
+        if not await until(pushing_or_over, 60) or all(t.done() for t in tasks):
+            res.notes.append("no transfer seen before the kill")
+        fault_at = time.monotonic()
+        os.kill(victim["pid"], signal.SIGKILL)
+        recovery = asyncio.create_task(recover(http, dep.url, fault_at, ctx.rng))
+        replacing = asyncio.create_task(dep.logged(r"prefill worker 0: incarnation \d+ ready", offset,
+                                                   RECOVERY_TIMEOUT_S))
+        records = await asyncio.gather(*tasks)
+        return await settle(ctx, res, records, fault_at, recovery, replacing)
+
+
+async def _streams_then_kill(ctx: Chaos, res: Result, kill: Callable[[], None], replaced: str) -> Result:
+    """Long streams on both decode workers; once every one has its first token, `kill()`."""
+    dep, n = ctx.dep, ctx.sizes.streams
+    streaming, every = [0], asyncio.Event()
+
+    def on_text() -> None:
+        streaming[0] += 1
+        if streaming[0] >= n:
+            every.set()
+
+    async def stream() -> Record:
+        rec = await send(http, dep.url, completion(32, ctx.sizes.stream_tokens, ctx.rng), on_text=on_text)
+        if rec.ttft_s is None:  # ended without text (refused): no need to wait for it
+            on_text()
+        return rec
+
+    offset = len(dep.log_text())
+    async with client() as http:
+        tasks = [asyncio.create_task(stream()) for _ in range(n)]
+        await every.wait()
+        if any(t.done() for t in tasks):
+            res.notes.append(f"{sum(t.done() for t in tasks)} streams ended before the kill")
+        fault_at = time.monotonic()
+        kill()
+        recovery = asyncio.create_task(recover(http, dep.url, fault_at, ctx.rng))
+        replacing = asyncio.create_task(dep.logged(replaced, offset, RECOVERY_TIMEOUT_S))
+        records = await asyncio.gather(*tasks)
+        return await settle(ctx, res, records, fault_at, recovery, replacing)
+
+
+async def kill_decode(ctx: Chaos) -> Result:
+    """kill -9 of a decode worker mid-stream: its streams end with an error event then
+    [DONE]; the others finish; new requests go to the other decode worker."""
+    victim = await asyncio.to_thread(ctx.dep.worker, "decode", "0")
+    res = Result("kill-decode", fault=True)
+    return await _streams_then_kill(ctx, res, lambda: os.kill(victim["pid"], signal.SIGKILL),
+                                    r"decode worker 0: incarnation \d+ ready")
+
+
+async def kill_gateway(ctx: Chaos) -> Result:
+    """kill -9 of the gateway process: its clients see cut connections (never a hang), the
+    workers cancel the orphaned streams, the controller has Ray restart the gateway."""
+    gateway = await asyncio.to_thread(ctx.dep.gateway)
+    res = Result("kill-gateway", fault=True, dropped_ok=True)
+    return await _streams_then_kill(ctx, res, gateway.kill, "gateway restarted")
+
+
+async def wedged_decode(ctx: Chaos) -> Result:
+    """A decode worker's engine loop stalls while its gRPC server answers: the gateway's
+    deep health routes around it, the controller's replaces it; a steady load runs through."""
+    res, dep = Result("wedged-decode", fault=True), ctx.dep
+    victim = await asyncio.to_thread(dep.worker, "decode", "1")
+    name = (await asyncio.to_thread(dep.stats, victim)).worker
+    stop, records = asyncio.Event(), []
+    offset = len(dep.log_text())
+
+    async with client() as http:
+        async def load() -> None:  # closed loop: the next request when the last one ends
+            while not stop.is_set():
+                records.append(await send(http, dep.url, completion(32, 16, ctx.rng)))
+
+        loaders = [asyncio.create_task(load()) for _ in range(4)]
+        await asyncio.sleep(2.0)
+        fault_at = time.monotonic()
+        tmp = dep.stall_file.with_suffix(".tmp")  # written whole, then renamed: an empty file wedges every worker
+        tmp.write_text(name + "\n")
+        tmp.replace(dep.stall_file)
+        recovery = asyncio.create_task(recover(http, dep.url, fault_at, ctx.rng))
+        detecting = asyncio.create_task(dep.logged(r"decode worker 1: failed deep health", offset, 60.0))
+        replaced = await dep.logged(r"decode worker 1: incarnation \d+ ready", offset, RECOVERY_TIMEOUT_S)
+        detected = detecting.result() if detecting.done() else None
+        detecting.cancel()
+        await asyncio.sleep(2.0)  # the load goes on over the new membership
+        stop.set()
+        await asyncio.gather(*loaders)
+        dep.stall_file.unlink(missing_ok=True)
+        lost = sum(r.outcome is not Outcome.COMPLETED for r in records)
+        if detected is not None:
+            res.notes.append(f"failed deep health after {detected - fault_at:.1f}s")
+        res.replaced_s = None if replaced is None else replaced - fault_at
+        res.notes.append("not replaced" if replaced is None else f"replaced after {res.replaced_s:.1f}s")
+        res.notes.append(f"lost {lost} of {len(records)}")
+        return await settle(ctx, res, records, fault_at, recovery)
+

@@ -1,0 +1,113 @@
+"""The load scenarios: a cancellation storm, and an open loop at 5x capacity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+import httpx
+
+from bench.chaos.client import client, completion, recover, send
+from bench.chaos.context import Chaos, settle
+from bench.chaos.report import Outcome, Record, Result
+from bench.chaos.sizes import MAX_TTFT_S
+from bench.serving import percentile
+
+LEAVE_KINDS = ("after send", "after first token", "mid-stream", "non-stream after send")
+
+
+async def storm(ctx: Chaos) -> Result:
+    """A cancellation storm: 30% of the requests are left by their client at a random point
+    (queued, in prefill, in transfer, mid-decode); nothing may leak or hang."""
+    res, dep, s, rng = Result("cancel-storm", no_5xx=True), ctx.dep, ctx.sizes, ctx.rng
+    gate = asyncio.Semaphore(s.storm_concurrency)
+    left: Counter[str] = Counter()
+
+    async def one(http: httpx.AsyncClient, body: dict, kind: str | None, delay: float) -> Record:
+        async with gate:
+            if kind == "after send":
+                return await send(http, dep.url, body, leave_after_s=delay)
+            if kind == "non-stream after send":
+                return await send(http, dep.url, {**body, "stream": False}, leave_after_s=delay)
+            if kind == "after first token":
+                return await send(http, dep.url, body, leave_after_chunks=1)
+            if kind == "mid-stream":
+                chunks = rng.randint(2, max(2, body["max_tokens"] // 2))
+                return await send(http, dep.url, body, leave_after_chunks=chunks)
+            return await send(http, dep.url, body)
+
+    plans = []
+    for _ in range(s.storm):
+        kind = rng.choice(LEAVE_KINDS) if rng.random() < 0.3 else None
+        left[kind or "stayed"] += 1
+        body = completion(rng.randint(8, s.storm_prompt), rng.randint(2, s.storm_output), rng)
+        plans.append((body, kind, rng.uniform(0.0, 1.5)))
+    t0 = time.monotonic()
+    async with client() as http:
+        records = await asyncio.gather(*(one(http, *plan) for plan in plans))
+    res.figures.update(leave_plan=dict(left), seconds=round(time.monotonic() - t0, 1))
+    rejected = sum(r.status == 429 for r in records)
+    res.notes.append(f"{len(records)} requests in {res.figures['seconds']}s, "
+                     f"{sum(r.outcome is Outcome.CANCELLED for r in records)} left by the client"
+                     + (f", {rejected} shed (429)" if rejected else ""))
+    return await settle(ctx, res, records)
+
+
+async def overload(ctx: Chaos) -> Result:
+    """Open loop at 5x the capacity a closed-loop probe measured: the admitted requests keep
+    the TTFT bound, the rest get a fast 429, memory stays bounded, no worker crashes."""
+    res, dep, s, rng = Result("overload-5x", fault=True, no_5xx=True), ctx.dep, ctx.sizes, ctx.rng
+    rss_before = await asyncio.to_thread(dep.rss_mb)
+    async with client() as http:
+        t0, probe = time.monotonic(), []
+
+        async def closed_loop() -> None:
+            while time.monotonic() - t0 < s.probe_s:
+                probe.append(await send(http, dep.url, completion(64, 16, rng)))
+
+        await asyncio.gather(*(closed_loop() for _ in range(8)))
+        capacity = sum(r.outcome is Outcome.COMPLETED for r in probe) / (time.monotonic() - t0)
+        probe_shed = sum(r.status == 429 for r in probe)
+        rate = 5 * max(capacity, 0.2)
+        arrivals, at = [], 0.0
+        while at < s.overload_s:
+            at += rng.expovariate(rate)
+            arrivals.append(at)
+        start = time.monotonic()
+
+        async def scheduled(at: float) -> Record:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            return await send(http, dep.url, completion(64, 16, rng))
+
+        records = await asyncio.gather(*(scheduled(a) for a in arrivals))
+        # Once the load is gone, the overload's own request shape is admitted again at once,
+        # and so is a long prompt: an idle system has no reason to shed.
+        res.recovery_s, _ = await recover(http, dep.url, time.monotonic(), rng, 30.0, prompt_len=64)
+        idle = await send(http, dep.url, completion(s.long_prompt, 2, rng, stream=False))
+        if idle.outcome is not Outcome.COMPLETED:
+            res.broken.append(f"once idle, a {s.long_prompt}-token prompt got {idle.status}: {idle.error}")
+    admitted = [r.ttft_s for r in records if r.status == 200 and r.ttft_s is not None]
+    shed = [r for r in records if r.status == 429]
+    ttft_p90, shed_p99 = percentile(admitted, 90), percentile([r.answered_s for r in shed], 99)
+    res = await settle(ctx, res, records)
+    rss_after = await asyncio.to_thread(dep.rss_mb)
+    res.figures.update(capacity_rps=round(capacity, 2), probe_429=probe_shed, offered_rps=round(rate, 2),
+                       ttft_p90_s=ttft_p90,
+                       ttft_bound_s=MAX_TTFT_S, rejected=len(shed), time_to_429_p99_s=shed_p99,
+                       rejected_by=dict(Counter(r.code for r in shed)), rss_mb_before=rss_before,
+                       rss_mb_after=rss_after)
+    res.notes.append(f"capacity {capacity:.1f} req/s ({probe_shed} x 429 while probing), offered {rate:.1f}; "
+                     "admitted TTFT p90 "
+                     f"{_s(ttft_p90)} (bound {MAX_TTFT_S:.0f}s); {len(shed)} x 429, p99 {_s(shed_p99)}; "
+                     f"RSS MB {_rss_change(rss_before, rss_after)}")
+    return res
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s"
+
+
+def _rss_change(before: dict[str, float], after: dict[str, float]) -> str:
+    return ", ".join(f"{k} {before[k]:.0f}->{after[k]:.0f}" for k in before if k in after)
+
