@@ -23,8 +23,8 @@ As root, run it in a loopback-only network namespace (embedded Ray binds to the 
 The package, one concept a module: `sizes` (the constants and the scenario sizes),
 `report` (how a request ended, a scenario's result, the table), `client` (the HTTP client
 that classifies every answer), `deployment` (`pdserve serve` as a subprocess), `context`
-(what every scenario gets, and `settle` after it), the scenarios in `faults`, `load` and
-`abuse`, their order in `scenarios`, and the command line in `cli`.
+(what every scenario gets, and `settle` after it), the scenarios in `faults`, `transfer`, `load`
+and `abuse`, their order in `scenarios`, and the command line in `cli`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from bench.chaos.faults import kill_decode, kill_gateway, kill_prefill, wedged_d
 from bench.chaos.load import LEAVE_KINDS, overload, storm
 from bench.chaos.report import Outcome, Record, Result, table
 from bench.chaos.scenarios import SCENARIOS
+from bench.chaos.transfer import transfer_error, transfer_slow, transfer_stuck
 from bench.chaos.sizes import (CLIENT_TIMEOUT_S, FULL, KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TTFT_S, MODEL, QUICK,
                                RECOVERY_TIMEOUT_S, TOKENS, Sizes)
 
@@ -45,5 +46,6 @@ __all__ = [
     "BIN", "CLIENT_TIMEOUT_S", "FULL", "KV_BLOCKS", "LEAVE_KINDS", "MAX_OUTPUT_TOKENS", "MAX_TTFT_S", "MODEL", "QUICK",
     "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
     "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_gateway",
-    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "until", "wedged_decode",
+    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "transfer_error", "transfer_slow",
+    "transfer_stuck", "until", "wedged_decode",
 ]

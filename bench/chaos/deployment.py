@@ -43,7 +43,8 @@ class Deployment:
     `max_ttft_s` is the gateway's admission bound (None: never shed). The config names the
     internal gRPC token (and this process's environment carries it), so Stats can be read
     from every worker; PDSERVE_FAULT_STALL_FILE is set for the whole deployment (every worker
-    inherits it) and names no worker until the wedge scenario writes one's name into it."""
+    inherits it) and names no worker until the wedge scenario writes one's name into it, and
+    PDSERVE_FAULT_TRANSFER_FILE names a file that exists only while a transfer fault is on."""
 
     def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None):
         self.workdir, self.sizes, self.max_ttft_s = workdir, sizes, max_ttft_s
@@ -51,16 +52,19 @@ class Deployment:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "serve.log"
         self.stall_file = workdir / "stall"
+        self.transfer_fault_file = workdir / "transfer-fault"
         self.address = ""
         self.proc: subprocess.Popen | None = None
         self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1",
-                    "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", envs.FAULT_STALL_FILE: str(self.stall_file)}
+                    "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", envs.FAULT_STALL_FILE: str(self.stall_file),
+                    envs.FAULT_TRANSFER_FILE: str(self.transfer_fault_file)}
         self._channels: dict[str, grpc.Channel] = {}
         self._token_before: str | None = None
 
     def config(self, token: str) -> dict:
         return {"dtype": "float32", "prefill": {"replicas": 1, "kv_blocks": KV_BLOCKS},
-                "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS},
+                "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS,
+                           "extra_args": ["--prefill-timeout", str(self.sizes.prefill_timeout_s)]},
                 "gateway": {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS},
                 "health_interval_s": self.sizes.health_interval_s, "unhealthy_after": self.sizes.unhealthy_after,
                 "internal_token": token}
@@ -109,6 +113,16 @@ class Deployment:
             os.environ[auth.ENV] = self._token_before
         self.proc = None
         return code, left
+
+    def set_transfer_fault(self, fault: str | None) -> None:
+        """Put a transfer fault (`delay_s=1`, `error_rate=0.5`: transfer/faults.py) on every
+        prefill worker's pushes, or lift it (None). Written whole, then renamed into place."""
+        if fault is None:
+            self.transfer_fault_file.unlink(missing_ok=True)
+            return
+        tmp = self.transfer_fault_file.with_suffix(".tmp")
+        tmp.write_text(fault + "\n")
+        tmp.replace(self.transfer_fault_file)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

@@ -91,6 +91,8 @@ async def overload(ctx: Chaos) -> Result:
     shed = [r for r in records if r.status == 429]
     ttft_p90, shed_p99 = percentile(admitted, 90), percentile([r.answered_s for r in shed], 99)
     res = await settle(ctx, res, records)
+    if ttft_p90 is not None and ttft_p90 > MAX_TTFT_S:
+        res.slow.append(f"admitted TTFT p90 {ttft_p90:.2f}s is over the {MAX_TTFT_S:.0f}s bound")
     rss_after = await asyncio.to_thread(dep.rss_mb)
     res.figures.update(capacity_rps=round(capacity, 2), probe_429=probe_shed, offered_rps=round(rate, 2),
                        ttft_p90_s=ttft_p90,

@@ -41,6 +41,7 @@ class Result:
     fault: bool = False
     no_5xx: bool = False  # the scenario sends nothing a healthy server may answer with a 5xx
     broken: list[str] = field(default_factory=list)  # what else the scenario found wrong
+    slow: list[str] = field(default_factory=list)  # missed speed bounds: the bench reports them, tests do not
     figures: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -51,9 +52,10 @@ class Result:
             self.http_5xx += r.status is not None and r.status >= 500
         return self
 
-    def problems(self) -> list[str]:
-        """What the issue's figures forbid: hangs, leaks, 5xx under abuse, lost recovery."""
-        out = ([f"{self.hung} hung"] if self.hung else []) + self.broken
+    def problems(self, speed: bool = True) -> list[str]:
+        """What the issue's figures forbid: hangs, leaks, 5xx under abuse, lost recovery; and
+        with `speed`, a missed latency bound (tests assert no speed)."""
+        out = ([f"{self.hung} hung"] if self.hung else []) + self.broken + (self.slow if speed else [])
         if self.leaked_blocks != 0:
             out.append(f"leaked blocks: {self.leaked_blocks} ({self.figures.get('held')})")
         if self.dropped and not self.dropped_ok:

@@ -31,7 +31,9 @@ class Sizes:
     abuse_rounds: int  # the gateway's RSS is read after each: growth past the first round is a leak
     health_interval_s: float  # the controller's rounds
     unhealthy_after: int  # failed deep checks before a wedged worker is replaced
+    transfer_requests: int  # long prompts sent at once through each KV-transfer fault
+    prefill_timeout_s: float  # the decode workers' --prefill-timeout: how long a stuck transfer lasts
 
 
-FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3)
-QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2)
+FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3, 8, 15.0)
+QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2, 4, 8.0)

@@ -1,0 +1,85 @@
+"""The KV-transfer fault scenarios: a slow link, a stuck one and a failing one, injected
+into the prefill worker's pushes through PDSERVE_FAULT_TRANSFER_FILE (transfer/faults.py)
+while the deployment runs. The policy under test (docs/workers.md): a failed push moves the
+request to the next prefill worker, then to local prefill; a stuck one is aborted at the
+decode worker's --prefill-timeout and prefilled locally. Every request completes; a broken
+link costs latency, never a request or a block."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bench.chaos.client import client, completion, recover, send
+from bench.chaos.context import Chaos, settle
+from bench.chaos.report import Outcome, Record, Result
+from bench.serving import percentile
+
+
+async def _remote_tokens(ctx: Chaos) -> int:
+    """Prompt tokens whose KV the decode workers have received from a prefill worker so far."""
+    workers = [w for w in await asyncio.to_thread(ctx.dep.workers) if w["role"] == "decode"]
+    stats = await asyncio.gather(*(asyncio.to_thread(ctx.dep.stats, w) for w in workers))
+    return sum(s.kv_blocks_transferred * s.block_size for s in stats if s is not None)
+
+
+async def _batch(ctx: Chaos) -> tuple[list[Record], int]:
+    """The scenario's requests, all at once; and how many of them were prefilled remotely."""
+    n, prompt = ctx.sizes.transfer_requests, ctx.sizes.long_prompt
+    before = await _remote_tokens(ctx)
+    async with client() as http:
+        records = await asyncio.gather(*(send(http, ctx.dep.url, completion(prompt, 4, ctx.rng)) for _ in range(n)))
+    return records, round((await _remote_tokens(ctx) - before) / prompt)  # whole blocks: a slight over-count
+
+
+async def _with_fault(ctx: Chaos, res: Result, fault: str) -> Result:
+    """The batch under `fault`, then the fault lifted: every request must have completed, and
+    a fresh request must be served (and prefilled remotely) again."""
+    ctx.dep.set_transfer_fault(fault)
+    fault_at = time.monotonic()
+    try:
+        records, remote = await _batch(ctx)
+    finally:
+        ctx.dep.set_transfer_fault(None)
+    lifted = await _remote_tokens(ctx)
+    async with client() as http:
+        recovery = asyncio.create_task(recover(http, ctx.dep.url, time.monotonic(), ctx.rng,
+                                               prompt_len=ctx.sizes.long_prompt))
+        res = await settle(ctx, res, records, fault_at, recovery)
+    if await _remote_tokens(ctx) == lifted:
+        res.broken.append("once the fault was lifted, no request was prefilled remotely")
+    lost = sum(r.outcome is not Outcome.COMPLETED for r in records)
+    if lost:
+        res.broken.append(f"{lost} of {len(records)} requests not completed (the policy falls back to local prefill)")
+    ttft = percentile([r.ttft_s for r in records if r.ttft_s is not None], 50)
+    res.figures.update(fault=fault, requests=len(records), prefilled_remotely=remote, ttft_p50_s=ttft)
+    res.notes.append(f"`{fault}`: {remote} of {len(records)} prefilled remotely, the rest locally; TTFT p50 "
+                     + ("-" if ttft is None else f"{ttft:.2f}s"))
+    return res
+
+
+async def transfer_slow(ctx: Chaos) -> Result:
+    """Every KV write posted a second late: requests complete, later (TTFT beside a batch
+    without the fault, run first)."""
+    baseline, _ = await _batch(ctx)
+    res = await _with_fault(ctx, Result("transfer-slow", fault=True), "delay_s=1")
+    before = percentile([r.ttft_s for r in baseline if r.ttft_s is not None], 50)
+    res.figures["ttft_p50_without_fault_s"] = before
+    if before is not None:
+        res.notes.append(f"{before:.2f}s without the fault")
+    return res
+
+
+async def transfer_stuck(ctx: Chaos) -> Result:
+    """KV writes never posted: each request is aborted at the decode worker's prefill timeout
+    and prefilled locally; none may be prefilled remotely."""
+    res = await _with_fault(ctx, Result("transfer-stuck", fault=True), "delay_s=inf")
+    if res.figures["prefilled_remotely"]:
+        res.broken.append(f"{res.figures['prefilled_remotely']} prefilled remotely through a stuck link")
+    res.notes.append(f"prefill timeout {ctx.sizes.prefill_timeout_s:.0f}s")
+    return res
+
+
+async def transfer_error(ctx: Chaos) -> Result:
+    """Half of the KV writes fail as a broken link would: those requests are prefilled locally."""
+    return await _with_fault(ctx, Result("transfer-error", fault=True), "error_rate=0.5")
