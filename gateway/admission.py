@@ -2,34 +2,34 @@
 
     ticket = admission.admit(prompt_tokens, kv_room=router.kv_room(prompt_tokens))  # or APIError 429
     ...
-    admission.first_token(ticket, ttft_s)   # or first_token(ticket, None): it failed before
+    admission.first_token(ticket)   # its first token came, or it failed before one
 
-Predicted TTFT = base + (prompt tokens admitted and still waiting for their first token +
-this prompt) / rate. Both are learnt from the system's own first tokens: `base` is the
-fixed latency, a typical prompt's own prefill included (the fastest recent TTFT of a
-request that found nothing queued), and each first token of a request that queued gives a
-rate sample: the prompt tokens that were ahead of it / (TTFT - base), averaged
-exponentially. Counting the tokens ahead matters: a request's own prompt over its TTFT is
-far below the prefill rate whenever it queued, which would shed a loaded system that is
-keeping up. Samples that are mostly fixed latency say little about the rate and are skipped.
+The prediction is Little's law: a new request waits for what is queued ahead of it (admitted
+here, no first token yet) and itself, over the rate at which queued work gets its first
+tokens. The rate is measured, not modelled: first tokens per second of *busy* time (time
+with something queued) over the last `window_s` of it, so idle time does not dilute it and
+whatever the bottleneck is (prefill compute, per-request overheads, a decode pool short of
+CPU) is in it. Both requests and prompt tokens are counted, and the larger of the two
+predictions is used: short prompts cost mostly per request, long ones per token. Until a
+window of busy time has been seen, prior rates fill the unobserved part of it.
 
 A request is refused when its prediction is over `headroom` (75%) of the bound, so that the
 prediction's error stays inside the bound. With nothing queued a request is always admitted
 (an idle system has nothing to shed for), and a prompt no decode worker has KV room for is
-refused: it would wait for running requests to finish.
+refused: it would wait for running requests to finish. A measured rate is below capacity
+until the system is saturated, so a burst after a quiet spell meets early 429s until its
+own first tokens show the real rate: the error is on the side of the bound.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.errors import APIError
-
-_ALPHA = 0.2  # weight of the newest rate sample
-_BASE_WINDOW = 32  # unqueued first tokens the fixed latency is the minimum of
-_MIN_QUEUED_SHARE = 0.3  # a rate sample needs at least this share of its TTFT beyond `base`
 
 
 @dataclass(frozen=True)
@@ -37,47 +37,66 @@ class Ticket:
     """One admitted request, as admission counts it until its first token."""
 
     prompt_tokens: int
-    ahead: int  # prompt tokens admitted earlier and still waiting for their first token
 
 
 class Admission:
-    def __init__(self, max_ttft_s: float | None, initial_rate_tokens_s: float = 1000.0, headroom: float = 0.75):
+    def __init__(self, max_ttft_s: float | None, headroom: float = 0.75, window_s: float = 10.0,
+                 prior_requests_s: float = 4.0, prior_tokens_s: float = 2000.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.max_ttft_s = max_ttft_s
         self.headroom = headroom
-        self.rate = initial_rate_tokens_s  # prompt tokens per second from admission to first token
-        self.queued_tokens = 0  # prompt tokens admitted here whose first token has not come back
-        self._unqueued_ttfts: deque[float] = deque(maxlen=_BASE_WINDOW)
+        self.window_s = window_s
+        self.prior = (prior_requests_s, prior_tokens_s)
+        self.clock = clock
+        self.queued_requests = 0  # admitted here, no first token yet
+        self.queued_tokens = 0  # their prompt tokens
+        self._busy_s = 0.0  # seconds with something queued, in all
+        self._since = clock()  # when _busy_s was last brought up to date
+        self._done: deque[tuple[float, int]] = deque()  # (busy clock, prompt tokens) of recent first tokens
 
-    @property
-    def base_s(self) -> float:
-        return min(self._unqueued_ttfts, default=0.0)
+    def rates(self) -> tuple[float, float]:
+        """First tokens per busy second, in requests and in prompt tokens."""
+        busy = self._tick()
+        while self._done and self._done[0][0] < busy - self.window_s:
+            self._done.popleft()
+        unobserved = max(0.0, self.window_s - busy)  # early on, the priors fill the rest of the window
+        requests = (len(self._done) + self.prior[0] * unobserved) / self.window_s
+        tokens = (sum(t for _, t in self._done) + self.prior[1] * unobserved) / self.window_s
+        return requests, tokens
 
     def predicted_ttft(self, prompt_tokens: int) -> float:
-        return self.base_s + (self.queued_tokens + prompt_tokens) / self.rate
+        requests_s, tokens_s = self.rates()
+        by_requests = (self.queued_requests + 1) / requests_s if requests_s > 0 else math.inf
+        by_tokens = (self.queued_tokens + prompt_tokens) / tokens_s if tokens_s > 0 else math.inf
+        return max(by_requests, by_tokens)
 
     def admit(self, prompt_tokens: int, kv_room: bool = True) -> Ticket:
         if not kv_room:
             raise APIError(429, f"overloaded: no decode worker has KV cache room for {prompt_tokens} prompt tokens "
                                 "now; retry later", code="overloaded", headers={"Retry-After": "1"})
-        if self.max_ttft_s is not None and self.queued_tokens > 0:  # nothing waiting: nothing to shed for
+        if self.max_ttft_s is not None and self.queued_requests > 0:  # nothing waiting: nothing to shed for
             predicted = self.predicted_ttft(prompt_tokens)
             if predicted > self.headroom * self.max_ttft_s:
-                wait = max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
+                wait = 1 if math.isinf(predicted) else max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
                 raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
                                     f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
                                headers={"Retry-After": str(wait)})
-        ticket = Ticket(prompt_tokens, self.queued_tokens)
+        self._tick()
+        self.queued_requests += 1
         self.queued_tokens += prompt_tokens
-        return ticket
+        return Ticket(prompt_tokens)
 
-    def first_token(self, ticket: Ticket, ttft_s: float | None) -> None:
-        """The request got its first token after `ttft_s`, or failed before it (None)."""
+    def first_token(self, ticket: Ticket, served: bool = True) -> None:
+        """The request got its first token (`served`), or failed before one: it waits no more."""
+        busy = self._tick()
+        self.queued_requests -= 1
         self.queued_tokens -= ticket.prompt_tokens
-        if ttft_s is None or ttft_s <= 0:
-            return
-        if ticket.ahead == 0:
-            self._unqueued_ttfts.append(ttft_s)
-            return
-        queued_s = ttft_s - self.base_s
-        if queued_s > _MIN_QUEUED_SHARE * ttft_s:
-            self.rate = (1 - _ALPHA) * self.rate + _ALPHA * (ticket.ahead / queued_s)
+        if served:
+            self._done.append((busy, ticket.prompt_tokens))
+
+    def _tick(self) -> float:
+        now = self.clock()
+        if self.queued_requests > 0:
+            self._busy_s += now - self._since
+        self._since = now
+        return self._busy_s

@@ -290,7 +290,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 worker = router.pick_decode(len(prompt), exclude=tried)
             except NoWorker:
                 tenant.release(cost)
-                admission.first_token(ticket, None)
+                admission.first_token(ticket, served=False)
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             worker.outstanding_tokens += cost
@@ -309,11 +309,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                     req.request_id = f"{rid}-retry"
                     continue
                 tenant.release(cost)
-                admission.first_token(ticket, None)
+                admission.first_token(ticket, served=False)
                 REQUESTS.labels(endpoint, "error").inc()
                 raise
         ttft = time.monotonic() - started
-        admission.first_token(ticket, ttft)
+        admission.first_token(ticket)
         TTFT.observe(ttft)
         stream = _responses(kind, body, rid, call, first, len(prompt), started, started + ttft, endpoint)
 
