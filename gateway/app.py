@@ -195,6 +195,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
+        if len(messages) > _max_prompt():  # each message is a token at least: no need to render them
+            raise APIError(413, f"{len(messages)} messages cannot fit in this model's limit of {_max_prompt()} "
+                                "prompt tokens", "messages")
         try:
             prompt = await asyncio.to_thread(_chat_ids, messages)
         except ChatTemplateError as e:
@@ -226,10 +229,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(404, f"model {name!r} does not exist; this server serves {config.model_name!r}",
                            "model", "model_not_found")
 
+    def _max_prompt() -> int:
+        return min(config.max_prompt_tokens or config.max_model_len, config.max_model_len - 1)
+
     def _params(body, prompt_len: int) -> pb.SamplingParams:
         limit = config.max_model_len - prompt_len
         prompt_param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        max_prompt = min(config.max_prompt_tokens or config.max_model_len, config.max_model_len - 1)
+        max_prompt = _max_prompt()
         if prompt_len > max_prompt:
             raise APIError(413, f"prompt ({prompt_len} tokens) is over this model's limit of {max_prompt} prompt "
                                 "tokens", prompt_param)

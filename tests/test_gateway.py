@@ -191,6 +191,9 @@ def test_configured_limits_on_prompt_tokens_and_body_size(system, smollm2_dir, t
         long = httpx.post(f"{url}/v1/completions", timeout=30,
                           json={"model": "smollm2", "prompt": "word " * 100, "max_tokens": 2})
         assert long.status_code == 413 and long.json()["error"]["param"] == "prompt", long.text
+        many = httpx.post(f"{url}/v1/chat/completions", timeout=30,  # refused before the template renders them
+                          json={"model": "smollm2", "messages": [{"role": "user", "content": ""}] * 51, "max_tokens": 2})
+        assert many.status_code == 413 and "51 messages cannot fit" in many.json()["error"]["message"], many.text
         big = httpx.post(f"{url}/v1/completions", timeout=30,
                          json={"model": "smollm2", "prompt": "x", "max_tokens": 2, "user": "u" * 4000})
         assert big.status_code == 413, big.text
