@@ -48,7 +48,7 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: 
 
 async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, leave_after_chunks: int | None,
                     on_text: Callable[[], None] | None) -> None:
-    t0 = time.monotonic()
+    t0 = rec.sent_at = time.monotonic()
     try:
         async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
             rec.status, rec.answered_s = resp.status_code, time.monotonic() - t0

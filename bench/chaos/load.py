@@ -88,6 +88,7 @@ async def overload(ctx: Chaos) -> Result:
         if idle.outcome is not Outcome.COMPLETED:
             res.broken.append(f"once idle, a {s.long_prompt}-token prompt got {idle.status}: {idle.error}")
     admitted = [r.ttft_s for r in records if r.status == 200 and r.ttft_s is not None]
+    res.figures["per_second"] = _per_second(records, start)
     shed = [r for r in records if r.status == 429]
     ttft_p90, shed_p99 = percentile(admitted, 90), percentile([r.answered_s for r in shed], 99)
     res = await settle(ctx, res, records)
@@ -104,6 +105,25 @@ async def overload(ctx: Chaos) -> Result:
                      f"{_s(ttft_p90)} (bound {MAX_TTFT_S:.0f}s); {len(shed)} x 429, p99 {_s(shed_p99)}; "
                      f"RSS MB {_rss_change(rss_before, rss_after)}")
     return res
+
+
+def _per_second(records: list[Record], start: float) -> list[dict]:
+    """The overload second by second: requests sent, admitted, shed, and the admitted ones' TTFT p90."""
+    out: list[dict] = []
+    for r in records:
+        second = int(r.sent_at - start)
+        while len(out) <= second:
+            out.append({"sent": 0, "admitted": 0, "shed": 0, "ttfts": []})
+        row = out[second]
+        row["sent"] += 1
+        row["admitted"] += r.status == 200
+        row["shed"] += r.status == 429
+        if r.status == 200 and r.ttft_s is not None:
+            row["ttfts"].append(r.ttft_s)
+    for row in out:
+        ttfts = row.pop("ttfts")
+        row["ttft_p90_s"] = percentile(ttfts, 90)
+    return out
 
 
 def _s(x: float | None) -> str:

@@ -19,6 +19,7 @@ class Record:
     outcome: Outcome = Outcome.DROPPED
     status: int | None = None  # HTTP status, once the answer began
     code: str | None = None  # an error's "code" (a 429's: overloaded, or a tenant limit)
+    sent_at: float | None = None  # time.monotonic() when sent
     answered_s: float | None = None  # sent -> response headers
     ttft_s: float | None = None  # sent -> first text
     chunks: int = 0  # SSE chunks that carried text
