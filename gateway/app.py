@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,40 +19,26 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.rpc import pdserve_pb2 as pb
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from gateway import responses
 from gateway.admission import Admission
 from gateway.backend import Backend
+from gateway.body_limit import BodyLimit
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
-from gateway.logprobs import render as render_logprobs
+from gateway.metrics import REQUESTS, TTFT, WorkerGauges
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
 from gateway.router import NoWorker, Router
 from gateway.tenants import Tenants
-from gateway.text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
-REQUESTS = Counter("pdserve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"])
-TTFT = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-E2E = Histogram("pdserve_e2e_seconds", "Request latency", buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
-TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
-                 buckets=(.01, .025, .05, .1, .2, .3, .5, 1, 2))
-PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
-COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
-WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
-    "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
-    "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
-    "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
-}.items()}
 
 class WorkerUnavailable(APIError):
     """The decode worker failed before sending anything: the request may go to another."""
-
-
-_FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
 
 
 @dataclass
@@ -80,7 +64,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     backend = Backend(config.decode, config.prefill)
     ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
     admission = Admission(config.max_ttft_s)
-    exported: set[str] = set()  # workers with series in the /metrics gauges
+    gauges = WorkerGauges()
 
     def observe_stats(stats: dict[str, pb.StatsResponse | None]) -> None:
         """Workers' Stats into the router's KV headroom and the /metrics gauges."""
@@ -88,24 +72,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             s = stats.get(w.address)
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
-        live = {(s.worker or address) for address, s in stats.items() if s is not None}
-        for gone in set(exported) - live:  # a replaced incarnation: its series end
-            for gauge in WORKER_GAUGES.values():
-                try:
-                    gauge.remove(gone)
-                except KeyError:
-                    pass
-            exported.discard(gone)
-        exported.update(live)
-        for address, s in stats.items():
-            if s is None:
-                continue
-            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
-                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
-                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-                      "kv_blocks_transferred": s.kv_blocks_transferred}
-            for name, value in values.items():
-                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)
+        gauges.export(stats)
 
     async def refresh_health() -> bool:
         """Deep-check every worker (the router skips the ones that fail) and read their Stats
@@ -321,7 +288,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ttft = time.monotonic() - started
         admission.first_token(ticket)
         TTFT.observe(ttft)
-        stream = _responses(kind, body, rid, call, first, len(prompt), started, started + ttft, endpoint)
+        stream = responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
+                                           endpoint, tokenizer)
 
         async def released():
             try:
@@ -333,9 +301,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
-            return StreamingResponse(_sse(kind, rid, body, released()), media_type="text/event-stream",
+            return StreamingResponse(responses.sse(kind, rid, body, released(), config.model_name, tokenizer),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect_unless_gone(request, _collect(kind, released(), rid, body))
+        answer = responses.collect(kind, released(), rid, body, config.model_name, tokenizer)
+        return await _collect_unless_gone(request, answer)
 
     async def _collect_unless_gone(request: Request, collect) -> Response:
         """A non-streamed answer, abandoned (and the decode worker's call cancelled) when the
@@ -367,120 +337,4 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise WorkerUnavailable(503, "decode worker closed the stream")
         return call, first
 
-    async def _responses(kind, body, rid, call, first, prompt_len, started, first_at,
-                         endpoint) -> AsyncIterator[dict]:
-        """Each engine step's text as an event dict; the last carries finish_reason and usage."""
-        text = TextStream(tokenizer, body.stop or [])
-        msg, completion_tokens, status = first, 0, "ok"
-        while True:
-            completion_tokens += len(msg.token_ids)
-            delta = text.push(list(msg.token_ids))
-            finish = _FINISH.get(msg.finish_reason)
-            if text.stopped:
-                finish = "stop"
-            elif finish is not None:
-                delta += text.finish()
-            if msg.error.code != pb.ERROR_NONE:
-                status = "error"
-                yield {"error": {"message": msg.error.message, "type": "server_error", "param": None,
-                                 "code": pb.ErrorCode.Name(msg.error.code)}}
-                break
-            if delta or finish:
-                yield {"text": delta, "finish_reason": finish, "logprobs": list(msg.logprobs)}
-            if finish is not None:
-                usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_len + completion_tokens}
-                if msg.usage.cached_prompt_tokens:
-                    usage["prompt_tokens_details"] = {"cached_tokens": msg.usage.cached_prompt_tokens}
-                yield {"usage": usage}
-                break
-            try:
-                msg = await call.read()
-            except grpc.RpcError as e:
-                status = "error"
-                yield {"error": {"message": f"decode worker failed mid-stream ({e.code().name})",
-                                 "type": "server_error", "param": None, "code": None}}
-                break
-            if msg is grpc.aio.EOF:
-                status = "error"
-                yield {"error": {"message": "decode worker ended the stream early", "type": "server_error",
-                                 "param": None, "code": None}}
-                break
-        REQUESTS.labels(endpoint, status).inc()
-        now = time.monotonic()
-        E2E.observe(now - started)
-        if status == "ok":  # what the planner reads: the load and its latencies
-            PROMPT_TOKENS.inc(prompt_len)
-            COMPLETION_TOKENS.inc(completion_tokens)
-            if completion_tokens > 1:
-                TPOT.observe((now - first_at) / (completion_tokens - 1))
-
-    async def _sse(kind: str, rid: str, body, events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
-        """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""
-        base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": config.model_name}
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        first = True
-        async for ev in events:
-            if "error" in ev:
-                yield _data(ev)
-                break
-            if "usage" in ev:
-                if include_usage:
-                    yield _data({**base, "choices": [], "usage": ev["usage"]})
-                continue
-            if kind == "chat":
-                delta = {"role": "assistant", "content": ev["text"]} if first else {"content": ev["text"]}
-                choice = {"index": 0, "delta": delta, "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
-                          "finish_reason": ev["finish_reason"]}
-            else:
-                choice = {"index": 0, "text": ev["text"], "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
-                          "finish_reason": ev["finish_reason"]}
-            first = False
-            yield _data({**base, "choices": [choice]})
-        yield b"data: [DONE]\n\n"
-
-    async def _collect(kind, events: AsyncIterator[dict], rid, body) -> dict:
-        text, finish, usage, logprobs = [], None, None, []
-        async for ev in events:
-            if "error" in ev:
-                raise APIError(503, ev["error"]["message"])
-            if "usage" in ev:
-                usage = ev["usage"]
-            else:
-                text.append(ev["text"])
-                logprobs += ev["logprobs"]
-                finish = ev["finish_reason"] or finish
-        content = "".join(text)
-        if kind == "completion" and body.echo and isinstance(body.prompt, str):
-            content = body.prompt + content
-        rendered = render_logprobs(kind, tokenizer, logprobs)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": rendered,
-                   "finish_reason": finish} if kind == "chat" else
-                  {"index": 0, "text": content, "logprobs": rendered, "finish_reason": finish})
-        return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": config.model_name, "choices": [choice], "usage": usage}
-
     return app
-
-
-class BodyLimit:
-    """413 for a declared body over the limit. Plain ASGI, not @app.middleware: Starlette's
-    BaseHTTPMiddleware hides client disconnects from the endpoint (Request.is_disconnected)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope.get("headers") or ()).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.max_bytes:
-                body = {"error": {"message": f"request body over {self.max_bytes} bytes",
-                                  "type": "invalid_request_error", "param": None, "code": None}}
-                await JSONResponse(body, 413)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-def _data(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()

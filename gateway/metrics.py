@@ -1,0 +1,52 @@
+"""The gateway's Prometheus metrics (GET /metrics): request counts and latencies, which the
+deploy controller's planner reads (deploy/planner.py), and one gauge series per worker
+from its Stats."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from engine.rpc import pdserve_pb2 as pb
+
+REQUESTS = Counter("pdserve_requests", "Requests by endpoint and HTTP status", ["endpoint", "status"])
+TTFT = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+E2E = Histogram("pdserve_e2e_seconds", "Request latency", buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
+TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
+                 buckets=(.01, .025, .05, .1, .2, .3, .5, 1, 2))
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
+COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
+WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
+    "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
+    "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
+    "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
+}.items()}
+
+
+class WorkerGauges:
+    """The per-worker gauges of one app: a worker's series are labelled by its name (an
+    incarnation's, else its address) and end when it no longer answers Stats."""
+
+    def __init__(self):
+        self.exported: set[str] = set()  # workers with series in the /metrics gauges
+
+    def export(self, stats: dict[str, pb.StatsResponse | None]) -> None:
+        """Every answering worker's Stats into its gauges; the series of the others removed."""
+        exported = self.exported
+        live = {(s.worker or address) for address, s in stats.items() if s is not None}
+        for gone in set(exported) - live:  # a replaced incarnation: its series end
+            for gauge in WORKER_GAUGES.values():
+                try:
+                    gauge.remove(gone)
+                except KeyError:
+                    pass
+            exported.discard(gone)
+        exported.update(live)
+        for address, s in stats.items():
+            if s is None:
+                continue
+            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
+                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
+                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                      "kv_blocks_transferred": s.kv_blocks_transferred}
+            for name, value in values.items():
+                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)

@@ -1,0 +1,125 @@
+"""A request's answer, from the decode worker's Generate stream to OpenAI's response body.
+
+`generate_events` turns the stream into event dicts (each engine step's text, then usage;
+or an error) and records the request's metrics; `sse` frames them as SSE chunks when the
+client streams, `collect` joins them into one JSON object when it does not."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.rpc import pdserve_pb2 as pb
+from engine.tokenizer import Tokenizer
+from gateway.errors import APIError
+from gateway.logprobs import render as render_logprobs
+from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, TPOT
+from gateway.text_stream import TextStream
+
+_FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
+
+
+async def generate_events(kind, body, rid, call, first, prompt_len, started, first_at, endpoint,
+                          tokenizer: Tokenizer) -> AsyncIterator[dict]:
+    """Each engine step's text as an event dict; the last carries finish_reason and usage."""
+    text = TextStream(tokenizer, body.stop or [])
+    msg, completion_tokens, status = first, 0, "ok"
+    while True:
+        completion_tokens += len(msg.token_ids)
+        delta = text.push(list(msg.token_ids))
+        finish = _FINISH.get(msg.finish_reason)
+        if text.stopped:
+            finish = "stop"
+        elif finish is not None:
+            delta += text.finish()
+        if msg.error.code != pb.ERROR_NONE:
+            status = "error"
+            yield {"error": {"message": msg.error.message, "type": "server_error", "param": None,
+                             "code": pb.ErrorCode.Name(msg.error.code)}}
+            break
+        if delta or finish:
+            yield {"text": delta, "finish_reason": finish, "logprobs": list(msg.logprobs)}
+        if finish is not None:
+            usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                     "total_tokens": prompt_len + completion_tokens}
+            if msg.usage.cached_prompt_tokens:
+                usage["prompt_tokens_details"] = {"cached_tokens": msg.usage.cached_prompt_tokens}
+            yield {"usage": usage}
+            break
+        try:
+            msg = await call.read()
+        except grpc.RpcError as e:
+            status = "error"
+            yield {"error": {"message": f"decode worker failed mid-stream ({e.code().name})",
+                             "type": "server_error", "param": None, "code": None}}
+            break
+        if msg is grpc.aio.EOF:
+            status = "error"
+            yield {"error": {"message": "decode worker ended the stream early", "type": "server_error",
+                             "param": None, "code": None}}
+            break
+    REQUESTS.labels(endpoint, status).inc()
+    now = time.monotonic()
+    E2E.observe(now - started)
+    if status == "ok":  # what the planner reads: the load and its latencies
+        PROMPT_TOKENS.inc(prompt_len)
+        COMPLETION_TOKENS.inc(completion_tokens)
+        if completion_tokens > 1:
+            TPOT.observe((now - first_at) / (completion_tokens - 1))
+
+
+async def sse(kind: str, rid: str, body, events: AsyncIterator[dict], model_name: str,
+              tokenizer: Tokenizer) -> AsyncIterator[bytes]:
+    """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""
+    base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model_name}
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    first = True
+    async for ev in events:
+        if "error" in ev:
+            yield _data(ev)
+            break
+        if "usage" in ev:
+            if include_usage:
+                yield _data({**base, "choices": [], "usage": ev["usage"]})
+            continue
+        if kind == "chat":
+            delta = {"role": "assistant", "content": ev["text"]} if first else {"content": ev["text"]}
+            choice = {"index": 0, "delta": delta, "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
+                      "finish_reason": ev["finish_reason"]}
+        else:
+            choice = {"index": 0, "text": ev["text"], "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
+                      "finish_reason": ev["finish_reason"]}
+        first = False
+        yield _data({**base, "choices": [choice]})
+    yield b"data: [DONE]\n\n"
+
+
+async def collect(kind, events: AsyncIterator[dict], rid, body, model_name: str, tokenizer: Tokenizer) -> dict:
+    """The whole answer as one chat.completion / text_completion object; an error event is a 503."""
+    text, finish, usage, logprobs = [], None, None, []
+    async for ev in events:
+        if "error" in ev:
+            raise APIError(503, ev["error"]["message"])
+        if "usage" in ev:
+            usage = ev["usage"]
+        else:
+            text.append(ev["text"])
+            logprobs += ev["logprobs"]
+            finish = ev["finish_reason"] or finish
+    content = "".join(text)
+    if kind == "completion" and body.echo and isinstance(body.prompt, str):
+        content = body.prompt + content
+    rendered = render_logprobs(kind, tokenizer, logprobs)
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": rendered,
+               "finish_reason": finish} if kind == "chat" else
+              {"index": 0, "text": content, "logprobs": rendered, "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
+
+
+def _data(obj: dict) -> bytes:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
