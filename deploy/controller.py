@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -34,8 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy.config import DeployConfig, PoolConfig
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
-from deploy.planner import Planner, scrape
-from deploy.profile import Profile
+from deploy.planner_loop import PlannerLoop
 from deploy.simulator import Pools
 from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
@@ -91,7 +89,8 @@ class Controller:
         self.channels: dict[str, grpc.Channel] = {}
         self.loop: threading.Thread | None = None
         self.planner_loop: threading.Thread | None = None
-        self.last_plan = ""  # the planner's last decision, for status
+        self.planner = PlannerLoop(self.config.planner, self._gateway_url, self._pool_sizes, self.scale, self._event,
+                                   self.stopping)
 
     # ---- what the CLI calls -------------------------------------------------------------
 
@@ -106,7 +105,7 @@ class Controller:
         self.loop = threading.Thread(target=self._health_loop, name="health", daemon=True)
         self.loop.start()
         if self.config.planner.enabled:
-            self.planner_loop = threading.Thread(target=self._planner_loop, name="planner", daemon=True)
+            self.planner_loop = threading.Thread(target=self.planner.run, name="planner", daemon=True)
             self.planner_loop.start()
         self._event(f"gateway ready on http://{g.host}:{g.port}")
         return self.status()
@@ -140,7 +139,7 @@ class Controller:
 
     def status(self) -> dict:
         with self.lock:
-            return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.last_plan,
+            return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.planner.last_plan,
                     "pools": {role: [s.public() for s in slots] for role, slots in self.pools.items()}}
 
     def events_since(self, index: int) -> list[str]:
@@ -295,37 +294,10 @@ class Controller:
 
     # ---- planner ------------------------------------------------------------------------
 
-    def _planner_loop(self) -> None:
-        """Every interval: the gateway's counters since the window began -> a decision."""
-        cfg = self.config.planner
-        planner = Planner(Profile.load(cfg.profile), cfg.slo_ttft_s, cfg.slo_tpot_s)
-        start, start_at, changed_at = None, 0.0, -math.inf
-        while not self.stopping.wait(cfg.interval_s):
-            try:
-                now, counters = time.monotonic(), scrape(self._gateway_url())
-                if start is None or counters.requests < start.requests:  # first read, or a restarted gateway
-                    start, start_at = counters, now
-                    continue
-                window = counters.minus(start)
-                if window.requests < cfg.min_requests:
-                    continue  # the window grows until it has enough requests
-                with self.lock:
-                    current = Pools(len(self.pools["prefill"]), len(self.pools["decode"]))
-                if current.prefill == 0 or now - changed_at < cfg.cooldown_s:
-                    start, start_at = counters, now  # aggregated, or cooling down: a fresh window
-                    continue
-                decision = planner.decide(window, now - start_at, current)
-                self.last_plan = decision.reason
-                if decision.target == current:
-                    self._event(f"planner: {decision.reason}")
-                else:
-                    self._event(f"planner: {decision.reason}; moving to {decision.target}")
-                    self.scale(decision.target.prefill, decision.target.decode)
-                    changed_at = time.monotonic()
-                start, start_at = scrape(self._gateway_url()), time.monotonic()  # windows never span a change
-            except Exception as e:  # never let the loop die; the next window tries again
-                log.exception("planner round failed")
-                self._event(f"planner: round failed: {e}")
+    def _pool_sizes(self) -> Pools:
+        """The planner's view of the pools (deploy/planner_loop.py)."""
+        with self.lock:
+            return Pools(len(self.pools["prefill"]), len(self.pools["decode"]))
 
     # ---- gateway ------------------------------------------------------------------------
 
