@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.serving import SLO, Run
+    from bench.serving_metrics import SLO, Run
 
 
 def plot_runs(series: dict[str, list[Run]], slo: SLO, prefix: str) -> list[Path]:
@@ -22,7 +22,7 @@ def plot_runs(series: dict[str, list[Run]], slo: SLO, prefix: str) -> list[Path]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench.serving import GOOD_ATTAINMENT
+    from bench.serving_metrics import GOOD_ATTAINMENT
 
     key = next((runs[0].load.key for runs in series.values() if runs), "rate")
     xlabel = "request rate (req/s)" if key == "rate" else "concurrency (streams)"
