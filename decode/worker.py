@@ -61,6 +61,13 @@ class DecodeWorker(EngineLoop):
         self._channels: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self._transfer_info = agent.info().to_bytes() if agent is not None else b""
         self.kv_blocks_transferred = 0
+        if self.receiver is not None:
+            # A Prefill goes out in the step that reserved its blocks, before that step's
+            # forward pass, not after it (the next poll()).
+            engine.on_remote_prefills = self._start_remotes
+            # NIXL progress between layers while remote KV is awaited: a prefill worker's
+            # push (and so its Prefill reply) completes only when this side progresses.
+            engine.model.between_layers = self._progress_transfers
 
     # -- commands (run on the loop thread) -----------------------------------------------
 
@@ -99,11 +106,21 @@ class DecodeWorker(EngineLoop):
 
     # -- the loop's hooks ----------------------------------------------------------------
 
-    def poll(self) -> bool:
-        busy = False
+    def _progress_transfers(self) -> None:
+        """During a step (between layers): a prefill worker's push completes only when this
+        side's NIXL makes progress, and its Prefill reply waits for that."""
+        if self.remote:
+            self.receiver.progress()
+
+    def _start_remotes(self) -> bool:
+        started = False
         for rp in self.engine.take_remote_prefills():
             self._start_remote(rp)
-            busy = True
+            started = True
+        return started
+
+    def poll(self) -> bool:
+        busy = self._start_remotes()
         if self.receiver is not None:
             for ev in self.receiver.poll():
                 busy = True

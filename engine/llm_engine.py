@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,6 +53,10 @@ class LLMEngine:
         self.last_step: StepStats | None = None
         self.last_output: SchedulerOutput | None = None
         self._remote_prefills: list[RemotePrefill] = []
+        # Called in step() after scheduling and before the forward pass when the schedule
+        # reserved blocks for remote prefills (take_remote_prefills has them), so a worker
+        # can start those prefills without waiting for this step's compute.
+        self.on_remote_prefills: Callable[[], None] | None = None
         self._probe_block = num_blocks
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
@@ -109,6 +114,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._remote_prefills.extend(out.remote_prefills)
         self.last_output = out
+        if out.remote_prefills and self.on_remote_prefills is not None:
+            try:
+                self.on_remote_prefills()
+            except Exception:  # the step goes on; what was not taken is taken after it
+                log.exception("starting remote prefills failed")
         if out.is_empty:
             return []
         result = self.runner.execute(out)

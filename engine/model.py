@@ -6,6 +6,8 @@ LM head runs only on the rows that are sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,6 +105,9 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, dtype, device)
         self.ops = kernels.get_ops(device)
         self._head_packed: torch.Tensor | None = None
+        # Called after every decoder layer when set: a worker's chance to make progress on
+        # other work (e.g. NIXL transfers whose peers wait on this process) during a step.
+        self.between_layers: Callable[[], None] | None = None
 
     def forward(
         self,
@@ -116,6 +121,8 @@ class CausalLM(nn.Module):
         cos_sin = self.rotary.cos_sin(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, k_cache, v_cache, meta, self.ops)
+            if self.between_layers is not None:
+                self.between_layers()
         if residual is None:  # a model without layers
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]

@@ -26,6 +26,12 @@ from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
 
 log = logging.getLogger(__name__)
 
+# After a step posts requests' last KV chunks, poll their pushes for up to this long before
+# the next step starts: a push left in flight is seen done (and its reply sent) only after
+# that whole step, while it completes within a few ms (once the decode worker's NIXL makes
+# progress, which it does between layers of its own step).
+_LAST_PUSH_WAIT_S = 0.005
+
 
 @dataclass
 class _Prefill:
@@ -102,6 +108,7 @@ class PrefillWorker(EngineLoop):
         now = time.monotonic()
         step_started = now - (self.engine.last_step.seconds if self.engine.last_step else 0.0)
         sampled = {d.request_id: d for d in deltas}
+        finishing = []
         for chunk in out.chunks if out is not None else ():
             p = self.requests.get(chunk.seq.request_id)
             if p is None:
@@ -114,9 +121,19 @@ class PrefillWorker(EngineLoop):
                 p.first_token = delta.token_ids[0]
                 p.first_logprobs = delta.logprobs[0] if delta.logprobs else None
                 p.sampled_at = now
+                finishing.append(p.request_id)
                 self._push(p, chunk.block_table, -(-p.num_prompt_tokens // self.block_size), last=True)
             else:
                 self._push(p, chunk.block_table, chunk.context_len // self.block_size, last=False)
+        if finishing:
+            self._wait_for_pushes(finishing)
+
+    def _wait_for_pushes(self, request_ids: list[str]) -> None:
+        """Poll the pushes of `request_ids` briefly (bounded), so their replies need not wait
+        for the next step to finish."""
+        deadline = time.monotonic() + _LAST_PUSH_WAIT_S
+        while any(rid in self.requests for rid in request_ids) and time.monotonic() < deadline:
+            self.poll()
 
     def poll(self) -> bool:
         events = self.pusher.poll()

@@ -542,12 +542,41 @@ class _BookkeepingAgent:
     """Just enough of a TransferAgent for DecodeWorker's bookkeeping: no notification ever comes."""
 
     name = "decode-9-1"
+    polls = 0
 
     def info(self):
         return SimpleNamespace(to_bytes=lambda: b"")
 
     def poll_notifications(self) -> list:
+        self.polls += 1
         return []
+
+
+def test_a_prefill_goes_out_before_the_forward_pass_and_transfers_progress_during_steps(model):
+    """The step that reserves a remote prefill's blocks sends its Prefill before computing
+    (not one whole step later), and while remote KV is awaited every layer of a step drives
+    NIXL (a prefill worker's push completes only when this side makes progress)."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    agent = _BookkeepingAgent()
+    worker = DecodeWorker(engine, "decode-test", agent)
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sent_before_compute = []
+    execute = engine.runner.execute
+
+    def watched(batch):
+        sent_before_compute.append(worker.remote["r"].rpc is not None)
+        return execute(batch)
+
+    engine.runner.execute = watched
+    worker.add("local", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8), 0, [], out, 5.0)
+    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 5.0)
+    engine.step()  # reserves r's blocks, and prefills "local" beside it
+    assert sent_before_compute == [True]
+    polls = agent.polls
+    engine.step()  # "local" decodes while r's KV is awaited
+    assert agent.polls - polls == engine.model.cfg.num_layers
+    worker.cancel("r")
+    worker.cancel("local")
 
 
 def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(model):
@@ -555,6 +584,7 @@ def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(mod
     (before poll() sends the Prefill) used to raise KeyError in poll(), ending the loop thread."""
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
+    engine.on_remote_prefills = None  # the gap this test is about: the Prefill waits for poll()
     out: queue.SimpleQueue = queue.SimpleQueue()
     dead = "127.0.0.1:1"  # nothing listens: the Abort fails UNAVAILABLE, so nothing can be writing
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, [dead], out, 5.0)

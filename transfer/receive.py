@@ -59,10 +59,16 @@ class KVReceiver:
         self._expected.pop(request_id, None)
         self._early.pop(request_id, None)
 
-    def poll(self) -> list[ReceiveEvent]:
+    def progress(self) -> None:
+        """Take in new notifications (matched by the next `poll`) and drive NIXL's progress,
+        which a writer's completion waits on; cheap enough to call often, e.g. during a step."""
         now = time.monotonic()
         for notif in self.agent.poll_notifications():
             self._early[notif.request_id] = (notif, now)
+
+    def poll(self) -> list[ReceiveEvent]:
+        now = time.monotonic()
+        self.progress()
         events = []
         for rid in [r for r in self._expected if r in self._early]:
             notif, _ = self._early.pop(rid)
