@@ -139,6 +139,8 @@ class PrefillWorker(EngineLoop):
         events = self.pusher.poll()
         for ev in events:
             p = self.requests.pop(ev.request_id, None)
+            if ev.status is not PushStatus.DONE:  # failed before its prompt was done: stop computing it,
+                self.engine.abort_request(ev.request_id)  # or its blocks would be held when it finishes
             self.engine.scheduler.release(ev.request_id)
             if p is None:
                 continue

@@ -46,6 +46,6 @@ __all__ = [
     "BIN", "CLIENT_TIMEOUT_S", "FULL", "KV_BLOCKS", "LEAVE_KINDS", "MAX_OUTPUT_TOKENS", "MAX_TTFT_S", "MODEL", "QUICK",
     "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
     "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_gateway",
-    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "transfer_error", "transfer_slow",
-    "transfer_stuck", "until", "wedged_decode",
+    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "transfer_error",
+    "transfer_slow", "transfer_stuck", "until", "wedged_decode",
 ]
