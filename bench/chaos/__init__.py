@@ -1,6 +1,6 @@
 """Faults, overload and abuse against the real system: `python -m bench.chaos`.
 
-Starts `pdserve serve` (embedded Ray, SmolLM2 in float32, 1 prefill + 2 decode workers) as
+Starts `pdserve serve` (embedded Ray, SmolLM2 in bfloat16, 1 prefill + 2 decode workers) as
 a subprocess and runs the scenarios against it one after another (docs/chaos.md says what
 each does): the overload on a deployment of its own whose gateway sheds past a TTFT bound,
 the others on one that never sheds. It prints one row per scenario:
