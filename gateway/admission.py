@@ -5,13 +5,18 @@
     admission.first_token(ticket)   # its first token came, or it failed before one
 
 The prediction is Little's law: a new request waits for what is queued ahead of it (admitted
-here, no first token yet) and itself, over the rate at which queued work gets its first
-tokens. The rate is measured, not modelled: first tokens per second of *busy* time (time
-with something queued) over the last `window_s` of it, so idle time does not dilute it and
-whatever the bottleneck is (prefill compute, per-request overheads, a decode pool short of
-CPU) is in it. Both requests and prompt tokens are counted, and the larger of the two
-predictions is used: short prompts cost mostly per request, long ones per token. Until a
-window of busy time has been seen, prior rates fill the unobserved part of it.
+here, no first token yet) over the rate at which queued work gets its first tokens. The rate
+is measured, not modelled: the last `window` first tokens over the *busy* time they took
+(time with something queued that is younger than the bound), so idle time does not dilute
+it, and a request that is stuck does not either: the rate is frozen while nothing
+completes, and a request queued longer than the bound no longer counts as work going on, so
+one stuck request (a stuck transfer, a wedged worker) does not shed everyone else. Whatever the bottleneck is (prefill compute,
+per-request overheads, a decode pool short of CPU) is in it. Two waits are predicted, and
+the larger is used: in requests, (queued + itself) / requests per second, and in prompt
+tokens, the tokens queued ahead / tokens per second. Short prompts cost mostly per request,
+long ones per token; a long prompt's own prefill is not held against it (nothing queued:
+it is admitted, however long). Until `window` first tokens have been seen, prior rates
+stand in for the missing ones.
 
 A request is refused when its prediction is over `headroom` (75%) of the bound, so that the
 prediction's error stays inside the bound. With nothing queued a request is always admitted
@@ -32,43 +37,46 @@ from dataclasses import dataclass
 from gateway.errors import APIError
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Ticket:
     """One admitted request, as admission counts it until its first token."""
 
     prompt_tokens: int
+    admitted_at: float
+    done: bool = False
 
 
 class Admission:
-    def __init__(self, max_ttft_s: float | None, headroom: float = 0.75, window_s: float = 10.0,
+    def __init__(self, max_ttft_s: float | None, headroom: float = 0.75, window: int = 32,
                  prior_requests_s: float = 4.0, prior_tokens_s: float = 2000.0,
                  clock: Callable[[], float] = time.monotonic):
         self.max_ttft_s = max_ttft_s
         self.headroom = headroom
-        self.window_s = window_s
+        self.window = window
         self.prior = (prior_requests_s, prior_tokens_s)
         self.clock = clock
         self.queued_requests = 0  # admitted here, no first token yet
         self.queued_tokens = 0  # their prompt tokens
+        self._queued: set[Ticket] = set()
+        self._stale_s = max_ttft_s if max_ttft_s is not None else 60.0  # queued longer: stuck, not busy
         self._busy_s = 0.0  # seconds with something queued, in all
         self._since = clock()  # when _busy_s was last brought up to date
-        self._done: deque[tuple[float, int]] = deque()  # (busy clock, prompt tokens) of recent first tokens
+        # busy clock at each of the last `window` first tokens (and the one before them), and tokens
+        self._done: deque[tuple[float, int]] = deque([(0.0, 0)], maxlen=window + 1)
 
     def rates(self) -> tuple[float, float]:
-        """First tokens per busy second, in requests and in prompt tokens."""
-        busy = self._tick()
-        while self._done and self._done[0][0] < busy - self.window_s:
-            self._done.popleft()
-        unobserved = max(0.0, self.window_s - busy)  # early on, the priors fill the rest of the window
-        requests = (len(self._done) + self.prior[0] * unobserved) / self.window_s
-        tokens = (sum(t for _, t in self._done) + self.prior[1] * unobserved) / self.window_s
-        return requests, tokens
+        """First tokens per busy second over the last `window` of them, in requests and in
+        prompt tokens; prior rates fill in for the ones not seen yet."""
+        n = len(self._done) - 1
+        span = self._done[-1][0] - self._done[0][0]
+        missing_s = (self.window - n) / self.prior[0]  # the time the missing ones would have taken
+        tokens = sum(t for _, t in list(self._done)[1:]) + (self.window - n) * self.prior[1] / self.prior[0]
+        seconds = span + missing_s
+        return (self.window / seconds, tokens / seconds) if seconds > 0 else (math.inf, math.inf)
 
     def predicted_ttft(self, prompt_tokens: int) -> float:
         requests_s, tokens_s = self.rates()
-        by_requests = (self.queued_requests + 1) / requests_s if requests_s > 0 else math.inf
-        by_tokens = (self.queued_tokens + prompt_tokens) / tokens_s if tokens_s > 0 else math.inf
-        return max(by_requests, by_tokens)
+        return max((self.queued_requests + 1) / requests_s, self.queued_tokens / tokens_s)
 
     def admit(self, prompt_tokens: int, kv_room: bool = True) -> Ticket:
         if not kv_room:
@@ -77,26 +85,37 @@ class Admission:
         if self.max_ttft_s is not None and self.queued_requests > 0:  # nothing waiting: nothing to shed for
             predicted = self.predicted_ttft(prompt_tokens)
             if predicted > self.headroom * self.max_ttft_s:
-                wait = 1 if math.isinf(predicted) else max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
+                wait = max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
                 raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
                                     f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
                                headers={"Retry-After": str(wait)})
-        self._tick()
+        now = self._tick()
+        ticket = Ticket(prompt_tokens, now)
+        self._queued.add(ticket)
         self.queued_requests += 1
         self.queued_tokens += prompt_tokens
-        return Ticket(prompt_tokens)
+        return ticket
 
     def first_token(self, ticket: Ticket, served: bool = True) -> None:
-        """The request got its first token (`served`), or failed before one: it waits no more."""
-        busy = self._tick()
+        """The request got its first token (`served`), or failed before one: it waits no more.
+        A ticket counts once; a second call is ignored."""
+        if ticket.done:
+            return
+        ticket.done = True
+        self._tick()
+        busy = self._busy_s
+        self._queued.discard(ticket)
         self.queued_requests -= 1
         self.queued_tokens -= ticket.prompt_tokens
         if served:
             self._done.append((busy, ticket.prompt_tokens))
 
     def _tick(self) -> float:
+        """Bring the busy clock up to now: time counts while a queued request is younger
+        than the bound. Returns now."""
         now = self.clock()
-        if self.queued_requests > 0:
-            self._busy_s += now - self._since
+        if self._queued:
+            fresh_until = max(t.admitted_at for t in self._queued) + self._stale_s
+            self._busy_s += max(0.0, min(now, fresh_until) - self._since)
         self._since = now
-        return self._busy_s
+        return now

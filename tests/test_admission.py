@@ -66,7 +66,7 @@ def test_at_5x_capacity_admitted_requests_keep_the_bound_and_the_rest_is_refused
     assert served_in_overload * service > 0.8 * 30  # shedding does not starve the server
 
 
-def test_a_cold_burst_is_admitted_by_the_priors_then_by_what_is_measured():
+def test_a_cold_burst_is_admitted_by_the_priors_and_one_stuck_request_sheds_nobody():
     clock = Clock()
     adm = Admission(max_ttft_s=4.0, clock=clock)  # priors: 4 requests/s, 2000 tokens/s
     admitted = []
@@ -74,30 +74,44 @@ def test_a_cold_burst_is_admitted_by_the_priors_then_by_what_is_measured():
         while True:
             admitted.append(adm.admit(64))
     assert len(admitted) == 12  # (11 queued + 1) / 4 per s = 3.0 s: 75% of the bound
-    # Nothing comes back for 10 busy seconds: the measured rate is 0, the window's priors gone.
-    clock.now = 10.0
-    assert adm.rates() == (0.0, 0.0)
-    with pytest.raises(APIError, match="predicted time to first token inf"):
-        adm.admit(64)
-    for t in admitted:
+    clock.now = 3.0
+    for t in admitted[1:]:  # all but the first get their first tokens
         adm.first_token(t)
+    clock.now = 60.0  # the first one is stuck (a stuck transfer, a wedged worker)
+    assert adm.rates()[0] == pytest.approx(32 / (3.0 + 21 / 4))  # frozen, not decayed
+    for _ in range(5):
+        adm.first_token(adm.admit(64))  # others are still admitted and served
+    adm.first_token(admitted[0], served=False)
+    assert adm.queued_requests == adm.queued_tokens == 0
     adm.admit(100_000)  # nothing queued: nothing to shed for, whatever the rate says
 
 
-def test_idle_time_does_not_dilute_the_rate_and_failures_are_not_served():
+def test_idle_time_does_not_dilute_the_rate_and_a_ticket_counts_once():
     clock = Clock()
-    adm = Admission(max_ttft_s=4.0, window_s=10.0, clock=clock)
-    for i in range(40):  # one at a time: queued 0.25 s each, 10 busy seconds in all
+    adm = Admission(max_ttft_s=4.0, window=4, clock=clock)
+    for _ in range(10):  # one at a time: queued 0.25 s each, with idle time between
         t = adm.admit(100)
         clock.now += 0.25
         adm.first_token(t)
-        clock.now += 5.0  # idle
+        adm.first_token(t)  # counted once
+        clock.now += 5.0
     assert adm.rates() == pytest.approx((4.0, 400.0))
+    assert adm.queued_requests == adm.queued_tokens == 0
     t = adm.admit(100)
     clock.now += 1.0
-    adm.first_token(t, served=False)
-    assert adm.queued_requests == adm.queued_tokens == 0
-    assert adm.rates()[0] < 4.0  # a busy second without a first token
+    adm.first_token(t, served=False)  # a failure is not a first token: the rate stands
+    assert adm.rates() == pytest.approx((4.0, 400.0))
+
+
+def test_a_long_prompt_is_not_refused_for_its_own_length():
+    clock = Clock()
+    adm = Admission(max_ttft_s=4.0, clock=clock)
+    short = adm.admit(64)
+    long = adm.admit(30_000)  # 15 s of prefill at the prior rate, but only 64 tokens ahead of it
+    with pytest.raises(APIError):
+        adm.admit(64)  # behind those 30k tokens: refused
+    adm.first_token(short)
+    adm.first_token(long)
 
 
 def test_kv_room_is_checked_first():
