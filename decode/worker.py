@@ -61,6 +61,7 @@ class DecodeWorker(EngineLoop):
         self._channels: dict[str, pb_grpc.PrefillWorkerStub] = {}
         self._transfer_info = agent.info().to_bytes() if agent is not None else b""
         self.kv_blocks_transferred = 0
+        self._progress_failed = False
         if self.receiver is not None:
             # A Prefill goes out in the step that reserved its blocks, before that step's
             # forward pass, not after it (the next poll()).
@@ -109,14 +110,35 @@ class DecodeWorker(EngineLoop):
     def _progress_transfers(self) -> None:
         """During a step (between layers): a prefill worker's push completes only when this
         side's NIXL makes progress, and its Prefill reply waits for that."""
-        if self.remote:
+        if not self.remote:
+            return
+        try:
             self.receiver.progress()
+        except Exception:  # a failing agent must not fail the forward pass; poll() meets it again
+            if not self._progress_failed:
+                log.exception("NIXL progress between layers failed")
+            self._progress_failed = True
 
     def _start_remotes(self) -> bool:
+        """Send the Prefill of each request whose blocks were just reserved. One that cannot be
+        sent is prefilled locally (or aborted, if its Prefill may have gone out), so it never
+        strands the others or waits with its blocks reserved."""
         started = False
         for rp in self.engine.take_remote_prefills():
-            self._start_remote(rp)
             started = True
+            try:
+                self._start_remote(rp)
+            except Exception as e:
+                log.exception("request %s: starting its remote prefill failed", rp.seq.request_id)
+                state = self.remote.get(rp.seq.request_id)
+                if state is None or state.phase is not Phase.PREFILLING:
+                    continue
+                if state.rpc is None:  # nothing went out: nobody can be writing its blocks
+                    del self.remote[state.request_id]
+                    self.receiver.forget(state.request_id)
+                    self.engine.scheduler.remote_kv_failed(state.request_id, recompute=True)
+                else:
+                    self._attempt_failed(state, f"{type(e).__name__}: {e}")
         return started
 
     def poll(self) -> bool:

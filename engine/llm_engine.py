@@ -56,7 +56,7 @@ class LLMEngine:
         # Called in step() after scheduling and before the forward pass when the schedule
         # reserved blocks for remote prefills (take_remote_prefills has them), so a worker
         # can start those prefills without waiting for this step's compute.
-        self.on_remote_prefills: Callable[[], None] | None = None
+        self.on_remote_prefills: Callable[[], object] | None = None
         self._probe_block = num_blocks
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
@@ -117,7 +117,7 @@ class LLMEngine:
         if out.remote_prefills and self.on_remote_prefills is not None:
             try:
                 self.on_remote_prefills()
-            except Exception:  # the step goes on; what was not taken is taken after it
+            except Exception:  # the step goes on (the hook should handle its own failures)
                 log.exception("starting remote prefills failed")
         if out.is_empty:
             return []

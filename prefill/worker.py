@@ -134,6 +134,7 @@ class PrefillWorker(EngineLoop):
         deadline = time.monotonic() + _LAST_PUSH_WAIT_S
         while any(rid in self.requests for rid in request_ids) and time.monotonic() < deadline:
             self.poll()
+            time.sleep(0.0002)  # not a spin: the decode worker whose progress this waits on may share the CPU
 
     def poll(self) -> bool:
         events = self.pusher.poll()

@@ -628,3 +628,33 @@ def test_a_push_that_fails_mid_prompt_stops_the_prefill_and_frees_its_blocks(mod
         worker.on_step(engine.step())
     assert not engine.scheduler.held
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+
+
+def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other(model):
+    """Two remote prefills reserved in one step; sending the first raises. It is prefilled
+    locally at once, the second still goes out, and nothing waits with reserved blocks."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 64), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(temperature=0, max_tokens=4)
+    worker.add("a", list(range(3, 43)), params, 0, ["127.0.0.1:1"], out, 5.0)
+    worker.add("b", list(range(50, 90)), params, 0, ["127.0.0.1:1"], out, 5.0)
+    send = worker._send_prefill
+
+    def first_fails(state, *args):
+        if state.request_id == "a":
+            raise RuntimeError("channel refused")
+        return send(state, *args)
+
+    worker._send_prefill = first_fails
+    engine.step()  # reserves both; the hook sends them
+    assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
+    assert worker.remote["b"].rpc is not None
+    worker.cancel("b")
+    while engine.has_unfinished():  # "a" is prefilled and decoded here
+        worker.on_step(engine.step())
+    tokens = []
+    while not out.empty():
+        msg = out.get_nowait()
+        tokens += list(msg.token_ids)
+    assert len(tokens) == 4  # a's four tokens ("b" was cancelled before any)
