@@ -31,7 +31,7 @@ def fault_transfer_file() -> Path | None:
     """PDSERVE_FAULT_TRANSFER_FILE: fault injection for tests and chaos runs. While this file
     exists, KV pushes follow what it says (transfer/faults.py): `delay_s=2` posts every
     write that much later (a slow link; `delay_s=inf`: a stuck one), `error_rate=0.5` fails
-    that share of writes as a broken link would, `only=prefill-0` limits it to workers whose
-    name starts so. Unset in production."""
+    that share of writes as a broken link would, `only=prefill-0` limits it to that worker
+    (any incarnation). Unset in production."""
     value = os.environ.get(FAULT_TRANSFER_FILE)
     return Path(value) if value else None

@@ -51,6 +51,9 @@ def test_no_file_or_a_bad_one_is_no_fault(fault_file, caplog):
     assert caplog.text.count("ignored") == 1  # said once
     fault_file.write_text("delay_s=1 only=decode")
     assert faults.current() is None  # another worker's fault
+    fault_file.write_text("delay_s=1 only=prefill-0-")
+    assert faults.current() is None  # whole name parts only
+    assert not TransferFault(only="prefill-1").applies_to("prefill-10-3")
     fault_file.write_text("delay_s=1 only=prefill-0")
     assert faults.current() == TransferFault(delay_s=1.0, only="prefill-0")
 
@@ -73,11 +76,12 @@ def test_an_injected_error_fails_the_push_like_a_broken_link(fault_file):
 def test_a_delay_holds_writes_back_and_a_stuck_link_ends_at_the_timeout(fault_file):
     agent = fake_agent()
     nixl, pusher = agent.nixl, KVPusher(agent)
-    fault_file.write_text("delay_s=0.2")
+    fault_file.write_text("delay_s=600")
     pusher.start("slow", "decode-0-1")
     pusher.push("slow", [1], [10], last=True)
     assert pusher.poll() == [] and nixl.made == []  # held back
-    time.sleep(0.25)
+    fault_file.write_text("delay_s=0.05")  # counted from when the write was queued
+    time.sleep(0.1)
     assert pusher.poll() == [] and len(nixl.made) == 1  # posted once its delay is over
     nixl.made[0].state = "DONE"
     assert [e.status for e in pusher.poll()] == [PushStatus.DONE]

@@ -5,7 +5,8 @@
 
 `delay_s` holds every write back that long after it was queued (`inf`: never posted, a
 stuck link); `error_rate` fails that share of writes at posting, the way NIXL reports a
-broken link; `only` limits the fault to agents whose name starts with it. No file (the
+broken link; `only` limits the fault to agents named so or below (`prefill-1` is
+`prefill-1-<incarnation>`, not `prefill-10-...`). No file (the
 usual case), an empty file or an unreadable line: no fault. The file is re-read at most
 every 0.1 s.
 """
@@ -50,7 +51,7 @@ class TransferFault:
         return fault
 
     def applies_to(self, agent_name: str) -> bool:
-        return agent_name.startswith(self.only)
+        return not self.only or agent_name == self.only or agent_name.startswith(self.only + "-")
 
     @property
     def stuck(self) -> bool:
