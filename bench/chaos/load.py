@@ -71,10 +71,11 @@ async def overload(ctx: Chaos) -> Result:
                     await asyncio.sleep(0.2)
 
         await asyncio.gather(*(closed_loop() for _ in range(PROBE_CLIENTS)))
-        # The served rate once the pipeline is full: requests sent in the probe's second half.
+        # The served rate once the pipeline is full: in a closed loop, requests are sent as
+        # fast as they are served, so those sent (and served) in the second half, over it.
         half = t0 + s.probe_s / 2
         served = sum(r.outcome is Outcome.COMPLETED and r.sent_at >= half for r in probe)
-        capacity = served / (time.monotonic() - half)
+        capacity = served / (s.probe_s / 2)
         probe_shed = sum(r.status == 429 for r in probe)
         rate = 5 * max(capacity, 0.2)
         arrivals, at = [], 0.0
