@@ -105,6 +105,13 @@ class PrefillWorker(EngineLoop):
 
     def on_step(self, deltas: list[RequestOutput]) -> None:
         out = self.engine.last_output
+        for rid in out.preempted if out is not None else ():
+            if rid in self.requests:
+                # Its blocks went back to the pool while pushes may still read them: its writes
+                # can no longer be trusted. Abort it; the decode worker, told once nothing is in
+                # flight, rewrites those blocks (another prefill worker, or locally).
+                log.info("request %s: preempted here (KV full); aborting it", rid)
+                self.abort(rid)
         now = time.monotonic()
         step_started = now - (self.engine.last_step.seconds if self.engine.last_step else 0.0)
         sampled = {d.request_id: d for d in deltas}

@@ -658,3 +658,40 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
         msg = out.get_nowait()
         tokens += list(msg.token_ids)
     assert len(tokens) == 4  # a's four tokens ("b" was cancelled before any)
+
+
+def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_are_done(model, monkeypatch):
+    """KV full on a prefill worker: the scheduler preempts a request whose blocks pushes may
+    still be reading. Its writes can no longer be trusted, so it is aborted: the reply (an
+    error, so the decode worker prefills it elsewhere) comes only once nothing of it is in
+    flight, and every block comes back."""
+    from concurrent.futures import Future
+
+    import prefill.worker as prefill_worker
+    from tests.test_transfer import fake_agent
+
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 10), SchedulerConfig(64, 8, CONTEXT))
+    agent = fake_agent()  # writes stay in flight until the test completes them
+    monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
+    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: None))
+    worker = prefill_worker.PrefillWorker(engine, agent)
+    replies = {}
+    for i, rid in enumerate(["first", "second"]):  # 6 blocks each, 10 in the pool
+        prompt = list(range(3 + 100 * i, 3 + 100 * i + 6 * BLOCK))
+        req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(6))))
+        replies[rid] = Future()
+        worker.add(req, SamplingParams(temperature=0, max_tokens=4), replies[rid], timeout_s=30.0)
+    while "second" not in engine.last_output.preempted if engine.last_output else True:
+        worker.poll()
+        worker.on_step(engine.step())
+    second_writes = [x for x in agent.nixl.made if x.state == "PROC"]
+    assert second_writes and not replies["second"].done()  # its writes are still in flight
+    for _ in range(3):  # complete every write, the ones posted after earlier ones too
+        for x in agent.nixl.made:
+            x.state = "DONE"
+        worker.poll()
+    assert replies["second"].result(0).error.code == pb.CANCELLED
+    assert replies["first"].result(0).error.code == pb.ERROR_NONE
+    assert not engine.has_unfinished() and not engine.scheduler.held
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
