@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from engine import envs
-from tests.test_transfer import fake_agent
+from tests.fake_nixl import fake_agent
 from transfer.faults import FaultFile, TransferFault
 from transfer.push import KVPusher, PushStatus
 
