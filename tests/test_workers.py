@@ -16,26 +16,23 @@ leak check on the workers it used (Stats: nothing queued or running, every block
 from __future__ import annotations
 
 import contextlib
-import queue
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import grpc
 import pytest
 import torch
 
-from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
-from tests.worker_procs import WorkerProc, start_workers, wait_idle
+from tests.worker_procs import WorkerProc, start_workers, wait_idle, wait_until
 
 BLOCK = 16
 BUDGET = 32  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -162,14 +159,6 @@ def assert_idle(*ws: WorkerProc) -> None:
         s = wait_idle(w)
         assert (s.waiting_requests, s.running_requests, s.free_blocks) == (0, 0, s.total_blocks), \
             f"{w.role} worker {w.address} did not come back to idle: {s}\n{w.log_tail()}"
-
-
-def wait_until(check, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.002)
 
 
 def rpc_error(start_stream) -> grpc.RpcError:
@@ -534,164 +523,3 @@ def test_full_queue_is_resource_exhausted_and_leaks_nothing(workers, reference):
     [want] = reference([prompt], 8)
     assert generate(small, prompt, prefill=[workers.p.address]).tokens == want
     assert_idle(small)
-
-
-# ---------------------------------------------------------------------------- in-process regression
-
-class _BookkeepingAgent:
-    """Just enough of a TransferAgent for DecodeWorker's bookkeeping: no notification ever comes."""
-
-    name = "decode-9-1"
-    polls = 0
-
-    def info(self):
-        return SimpleNamespace(to_bytes=lambda: b"")
-
-    def poll_notifications(self) -> list:
-        self.polls += 1
-        return []
-
-
-def test_a_prefill_goes_out_before_the_forward_pass_and_transfers_progress_during_steps(model):
-    """The step that reserves a remote prefill's blocks sends its Prefill before computing
-    (not one whole step later), and while remote KV is awaited every layer of a step drives
-    NIXL (a prefill worker's push completes only when this side makes progress)."""
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
-    agent = _BookkeepingAgent()
-    worker = DecodeWorker(engine, "decode-test", agent)
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    sent_before_compute = []
-    execute = engine.runner.execute
-
-    def watched(batch):
-        sent_before_compute.append(worker.remote["r"].rpc is not None)
-        return execute(batch)
-
-    engine.runner.execute = watched
-    worker.add("local", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8), 0, [], out, 5.0)
-    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 5.0)
-    engine.step()  # reserves r's blocks, and prefills "local" beside it
-    assert sent_before_compute == [True]
-    polls = agent.polls
-    engine.step()  # "local" decodes while r's KV is awaited
-    assert agent.polls - polls == engine.model.cfg.num_layers
-    worker.cancel("r")
-    worker.cancel("local")
-
-
-def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(model):
-    """A cancel drained in the loop iteration right after the step that reserved the blocks
-    (before poll() sends the Prefill) used to raise KeyError in poll(), ending the loop thread."""
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
-    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
-    engine.on_remote_prefills = None  # the gap this test is about: the Prefill waits for poll()
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    dead = "127.0.0.1:1"  # nothing listens: the Abort fails UNAVAILABLE, so nothing can be writing
-    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, [dead], out, 5.0)
-    engine.step()  # reserves the prompt's blocks for the remote prefill
-    worker.cancel("r")
-    assert out.get_nowait().finish_reason == pb.ABORT
-
-    def aborted() -> bool:
-        worker.poll()  # what the loop would do next: before the fix, KeyError here
-        return not worker.remote
-
-    wait_until(aborted, 10, "the Abort's answer")
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
-    assert not engine.has_unfinished() and not engine.scheduler.held
-
-
-def test_a_push_that_fails_mid_prompt_stops_the_prefill_and_frees_its_blocks(model, monkeypatch):
-    """The push of a prompt still being prefilled in chunks fails (here: its timeout, as a
-    stuck link would): the prefill worker must stop computing it and free its blocks. It used
-    to release them at once, while the request still ran, so they were held for good when it
-    finished (the chaos suite's storm found 48 such blocks)."""
-    from concurrent.futures import Future
-
-    import prefill.worker as prefill_worker
-    from tests.test_transfer import fake_agent
-
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
-    agent = fake_agent()  # NIXL writes stay in flight until told: the push can only time out
-    monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
-    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: None))
-    worker = prefill_worker.PrefillWorker(engine, agent)
-    prompt = list(range(3, 3 + 4 * BUDGET))  # four chunks, one per step
-    destination = pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(len(prompt) // BLOCK)))
-    req = pb.PrefillRequest(request_id="r", prompt_token_ids=prompt, destination=destination)
-    reply: Future = Future()
-    worker.add(req, SamplingParams(temperature=0, max_tokens=4), reply, timeout_s=0.2)
-    worker.on_step(engine.step())  # the first chunk is computed, and its blocks pushed
-    time.sleep(0.3)
-    assert worker.poll() and reply.result(0).error.code == pb.KV_TRANSFER_FAILED
-    while engine.has_unfinished():
-        worker.on_step(engine.step())
-    assert not engine.scheduler.held
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
-
-
-def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other(model):
-    """Two remote prefills reserved in one step; sending the first raises. It is prefilled
-    locally at once, the second still goes out, and nothing waits with reserved blocks."""
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 64), SchedulerConfig(BUDGET, 8, CONTEXT))
-    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    params = SamplingParams(temperature=0, max_tokens=4)
-    worker.add("a", list(range(3, 43)), params, 0, ["127.0.0.1:1"], out, 5.0)
-    worker.add("b", list(range(50, 90)), params, 0, ["127.0.0.1:1"], out, 5.0)
-    send = worker._send_prefill
-
-    def first_fails(state, *args):
-        if state.request_id == "a":
-            raise RuntimeError("channel refused")
-        return send(state, *args)
-
-    worker._send_prefill = first_fails
-    engine.step()  # reserves both; the hook sends them
-    assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
-    assert worker.remote["b"].rpc is not None
-    worker.cancel("b")
-    while engine.has_unfinished():  # "a" is prefilled and decoded here
-        worker.on_step(engine.step())
-    tokens = []
-    while not out.empty():
-        msg = out.get_nowait()
-        tokens += list(msg.token_ids)
-    assert len(tokens) == 4  # a's four tokens ("b" was cancelled before any)
-
-
-def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_are_done(model, monkeypatch):
-    """KV full on a prefill worker: the scheduler preempts a request whose blocks pushes may
-    still be reading. Its writes can no longer be trusted, so it is aborted: the reply (an
-    error, so the decode worker prefills it elsewhere) comes only once nothing of it is in
-    flight, and every block comes back."""
-    from concurrent.futures import Future
-
-    import prefill.worker as prefill_worker
-    from tests.test_transfer import fake_agent
-
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 10), SchedulerConfig(64, 8, CONTEXT))
-    agent = fake_agent()  # writes stay in flight until the test completes them
-    monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
-    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: None))
-    worker = prefill_worker.PrefillWorker(engine, agent)
-    replies = {}
-    for i, rid in enumerate(["first", "second"]):  # 6 blocks each, 10 in the pool
-        prompt = list(range(3 + 100 * i, 3 + 100 * i + 6 * BLOCK))
-        req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(6))))
-        replies[rid] = Future()
-        worker.add(req, SamplingParams(temperature=0, max_tokens=4), replies[rid], timeout_s=30.0)
-    while "second" not in engine.last_output.preempted if engine.last_output else True:
-        worker.poll()
-        worker.on_step(engine.step())
-    second_writes = [x for x in agent.nixl.made if x.state == "PROC"]
-    assert second_writes and not replies["second"].done()  # its writes are still in flight
-    for _ in range(3):  # complete every write, the ones posted after earlier ones too
-        for x in agent.nixl.made:
-            x.state = "DONE"
-        worker.poll()
-    assert replies["second"].result(0).error.code == pb.CANCELLED
-    assert replies["first"].result(0).error.code == pb.ERROR_NONE
-    assert not engine.has_unfinished() and not engine.scheduler.held
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks

@@ -134,3 +134,12 @@ def wait_idle(worker: WorkerProc, timeout_s: float = 20.0) -> pb.StatsResponse:
         if time.monotonic() > deadline:
             return s
         time.sleep(0.05)
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    """Poll `check` until it is true; an AssertionError naming `what` past the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.002)

@@ -1,0 +1,189 @@
+"""The workers' step-by-step bookkeeping, in this process: a DecodeWorker or PrefillWorker
+driven one engine step at a time (no loop thread, no gRPC server) over a tiny float64 model,
+with a transfer agent that only keeps books (decode) or the fake NIXL of tests/fake_nixl.py
+(prefill), so a test decides exactly when a Prefill is sent, a write completes or a push
+fails. What these pin down: when a Prefill goes out within a step, that NIXL progresses
+during steps, and that no failure between reservation and reply strands a request or a
+block. The same paths over real processes and real NIXL are in tests/test_workers.py and
+tests/test_chaos.py.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import prefill.worker as prefill_worker
+from decode.worker import DecodeWorker
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.rpc import pdserve_pb2 as pb
+from engine.sampling_params import SamplingParams
+from tests.fake_nixl import fake_agent
+from tests.tiny_models import write_tiny_checkpoint
+from tests.worker_procs import wait_until
+
+BLOCK = 16
+BUDGET = 32  # tokens per step: longer prompts are prefilled in chunks
+CONTEXT = 512  # the tiny checkpoint's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama-gqa", seed=7)
+
+
+def _prefill_worker(engine: LLMEngine, monkeypatch) -> tuple[prefill_worker.PrefillWorker, object]:
+    """A PrefillWorker over the fake NIXL, whose only peer is decode-0-1 (no handshake)."""
+    agent = fake_agent()
+    monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
+    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: None))
+    return prefill_worker.PrefillWorker(engine, agent), agent
+
+
+class _BookkeepingAgent:
+    """Just enough of a TransferAgent for DecodeWorker's bookkeeping: no notification ever comes."""
+
+    name = "decode-9-1"
+    polls = 0
+
+    def info(self):
+        return SimpleNamespace(to_bytes=lambda: b"")
+
+    def poll_notifications(self) -> list:
+        self.polls += 1
+        return []
+
+
+def test_a_prefill_goes_out_before_the_forward_pass_and_transfers_progress_during_steps(model):
+    """The step that reserves a remote prefill's blocks sends its Prefill before computing
+    (not one whole step later), and while remote KV is awaited every layer of a step drives
+    NIXL (a prefill worker's push completes only when this side makes progress)."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    agent = _BookkeepingAgent()
+    worker = DecodeWorker(engine, "decode-test", agent)
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    sent_before_compute = []
+    execute = engine.runner.execute
+
+    def watched(batch):
+        sent_before_compute.append(worker.remote["r"].rpc is not None)
+        return execute(batch)
+
+    engine.runner.execute = watched
+    worker.add("local", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8), 0, [], out, 5.0)
+    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 5.0)
+    engine.step()  # reserves r's blocks, and prefills "local" beside it
+    assert sent_before_compute == [True]
+    polls = agent.polls
+    engine.step()  # "local" decodes while r's KV is awaited
+    assert agent.polls - polls == engine.model.cfg.num_layers
+    worker.cancel("r")
+    worker.cancel("local")
+
+
+def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(model):
+    """A cancel drained in the loop iteration right after the step that reserved the blocks
+    (before poll() sends the Prefill) used to raise KeyError in poll(), ending the loop thread."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
+    engine.on_remote_prefills = None  # the gap this test is about: the Prefill waits for poll()
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    dead = "127.0.0.1:1"  # nothing listens: the Abort fails UNAVAILABLE, so nothing can be writing
+    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, [dead], out, 5.0)
+    engine.step()  # reserves the prompt's blocks for the remote prefill
+    worker.cancel("r")
+    assert out.get_nowait().finish_reason == pb.ABORT
+
+    def aborted() -> bool:
+        worker.poll()  # what the loop would do next: before the fix, KeyError here
+        return not worker.remote
+
+    wait_until(aborted, 10, "the Abort's answer")
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+    assert not engine.has_unfinished() and not engine.scheduler.held
+
+
+def test_a_push_that_fails_mid_prompt_stops_the_prefill_and_frees_its_blocks(model, monkeypatch):
+    """The push of a prompt still being prefilled in chunks fails (here: its timeout, as a
+    stuck link would): the prefill worker must stop computing it and free its blocks. It used
+    to release them at once, while the request still ran, so they were held for good when it
+    finished (the chaos suite's storm found 48 such blocks)."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker, agent = _prefill_worker(engine, monkeypatch)  # its writes can only time out
+    prompt = list(range(3, 3 + 4 * BUDGET))  # four chunks, one per step
+    destination = pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(len(prompt) // BLOCK)))
+    req = pb.PrefillRequest(request_id="r", prompt_token_ids=prompt, destination=destination)
+    reply: Future = Future()
+    worker.add(req, SamplingParams(temperature=0, max_tokens=4), reply, timeout_s=0.2)
+    worker.on_step(engine.step())  # the first chunk is computed, and its blocks pushed
+    time.sleep(0.3)
+    assert worker.poll() and reply.result(0).error.code == pb.KV_TRANSFER_FAILED
+    while engine.has_unfinished():
+        worker.on_step(engine.step())
+    assert not engine.scheduler.held
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+
+
+def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other(model):
+    """Two remote prefills reserved in one step; sending the first raises. It is prefilled
+    locally at once, the second still goes out, and nothing waits with reserved blocks."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 64), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(temperature=0, max_tokens=4)
+    worker.add("a", list(range(3, 43)), params, 0, ["127.0.0.1:1"], out, 5.0)
+    worker.add("b", list(range(50, 90)), params, 0, ["127.0.0.1:1"], out, 5.0)
+    send = worker._send_prefill
+
+    def first_fails(state, *args):
+        if state.request_id == "a":
+            raise RuntimeError("channel refused")
+        return send(state, *args)
+
+    worker._send_prefill = first_fails
+    engine.step()  # reserves both; the hook sends them
+    assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
+    assert worker.remote["b"].rpc is not None
+    worker.cancel("b")
+    while engine.has_unfinished():  # "a" is prefilled and decoded here
+        worker.on_step(engine.step())
+    tokens = []
+    while not out.empty():
+        msg = out.get_nowait()
+        tokens += list(msg.token_ids)
+    assert len(tokens) == 4  # a's four tokens ("b" was cancelled before any)
+
+
+def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_are_done(model, monkeypatch):
+    """KV full on a prefill worker: the scheduler preempts a request whose blocks pushes may
+    still be reading. Its writes can no longer be trusted, so it is aborted: the reply (an
+    error, so the decode worker prefills it elsewhere) comes only once nothing of it is in
+    flight, and every block comes back."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 10), SchedulerConfig(64, 8, CONTEXT))
+    worker, agent = _prefill_worker(engine, monkeypatch)
+    replies = {}
+    for i, rid in enumerate(["first", "second"]):  # 6 blocks each, 10 in the pool
+        prompt = list(range(3 + 100 * i, 3 + 100 * i + 6 * BLOCK))
+        req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(6))))
+        replies[rid] = Future()
+        worker.add(req, SamplingParams(temperature=0, max_tokens=4), replies[rid], timeout_s=30.0)
+    while "second" not in engine.last_output.preempted if engine.last_output else True:
+        worker.poll()
+        worker.on_step(engine.step())
+    second_writes = [x for x in agent.nixl.made if x.state == "PROC"]
+    assert second_writes and not replies["second"].done()  # its writes are still in flight
+    for _ in range(3):  # complete every write, the ones posted after earlier ones too
+        for x in agent.nixl.made:
+            x.state = "DONE"
+        worker.poll()
+    assert replies["second"].result(0).error.code == pb.CANCELLED
+    assert replies["first"].result(0).error.code == pb.ERROR_NONE
+    assert not engine.has_unfinished() and not engine.scheduler.held
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
