@@ -10,8 +10,9 @@ is measured, not modelled: the last `window` first tokens over the *busy* time t
 (time with something queued that is younger than the bound), so idle time does not dilute
 it, and a request that is stuck does not either: the rate is frozen while nothing
 completes, and a request queued longer than the bound no longer counts as work going on, so
-one stuck request (a stuck transfer, a wedged worker) does not shed everyone else. Whatever the bottleneck is (prefill compute,
-per-request overheads, a decode pool short of CPU) is in it. Two waits are predicted, and
+one stuck request (a stuck transfer, a wedged worker) does not shed everyone else.
+Whatever the bottleneck is (prefill compute, per-request overheads, a decode pool short of
+CPU) is in it. Two waits are predicted, and
 the larger is used: in requests, (queued + itself) / requests per second, and in prompt
 tokens, the tokens queued ahead / tokens per second. Short prompts cost mostly per request,
 long ones per token; a long prompt's own prefill is not held against it (nothing queued:
@@ -43,7 +44,6 @@ class Ticket:
 
     prompt_tokens: int
     admitted_at: float
-    done: bool = False
 
 
 class Admission:
@@ -55,14 +55,17 @@ class Admission:
         self.window = window
         self.prior = (prior_requests_s, prior_tokens_s)
         self.clock = clock
-        self.queued_requests = 0  # admitted here, no first token yet
+        self._queued: set[Ticket] = set()  # admitted here, no first token yet
         self.queued_tokens = 0  # their prompt tokens
-        self._queued: set[Ticket] = set()
         self._stale_s = max_ttft_s if max_ttft_s is not None else 60.0  # queued longer: stuck, not busy
         self._busy_s = 0.0  # seconds with something queued, in all
         self._since = clock()  # when _busy_s was last brought up to date
         # busy clock at each of the last `window` first tokens (and the one before them), and tokens
         self._done: deque[tuple[float, int]] = deque([(0.0, 0)], maxlen=window + 1)
+
+    @property
+    def queued_requests(self) -> int:
+        return len(self._queued)
 
     def rates(self) -> tuple[float, float]:
         """First tokens per busy second over the last `window` of them, in requests and in
@@ -89,26 +92,21 @@ class Admission:
                 raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
                                     f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
                                headers={"Retry-After": str(wait)})
-        now = self._tick()
-        ticket = Ticket(prompt_tokens, now)
+        ticket = Ticket(prompt_tokens, self._tick())
         self._queued.add(ticket)
-        self.queued_requests += 1
         self.queued_tokens += prompt_tokens
         return ticket
 
     def first_token(self, ticket: Ticket, served: bool = True) -> None:
         """The request got its first token (`served`), or failed before one: it waits no more.
         A ticket counts once; a second call is ignored."""
-        if ticket.done:
+        if ticket not in self._queued:
             return
-        ticket.done = True
         self._tick()
-        busy = self._busy_s
-        self._queued.discard(ticket)
-        self.queued_requests -= 1
+        self._queued.remove(ticket)
         self.queued_tokens -= ticket.prompt_tokens
         if served:
-            self._done.append((busy, ticket.prompt_tokens))
+            self._done.append((self._busy_s, ticket.prompt_tokens))
 
     def _tick(self) -> float:
         """Bring the busy clock up to now: time counts while a queued request is younger
