@@ -20,7 +20,8 @@ def main() -> None:
     engine, model = build_engine(args)
     agent = build_agent("decode", args, engine, model)
     name = agent.name if agent is not None else f"decode-{args.worker_id}"
-    worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout)
+    worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout,
+                          stall_floor_s=args.stall_timeout)
     serve(worker, lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server),
           args.host, args.port)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode.remote_prefill import Phase, RemotePrefillState, worker_is_gone
+from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.rpc import auth
@@ -47,10 +48,14 @@ class _Stream:
     prefill_timings: pb.Timings | None = None
 
 
+REMOTE_PREFILL_SLACK = 10.0  # a remote prefill may take this many times its measured compute
+
+
 class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, name: str, agent: TransferAgent | None = None,
-                 local_prefill_threshold: int = 0, prefill_timeout_s: float = 60.0):
-        super().__init__(engine, name=f"{name}-loop")
+                 local_prefill_threshold: int = 0, prefill_timeout_s: float = 60.0,
+                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S):
+        super().__init__(engine, name=f"{name}-loop", stall_floor_s=stall_floor_s)
         self.name = name
         self.agent = agent
         self.receiver = KVReceiver(agent) if agent is not None else None
@@ -83,10 +88,21 @@ class DecodeWorker(EngineLoop):
         self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote)
         self.streams[request_id] = _Stream(out, len(prompt), params)
         if remote:
-            deadline = time.monotonic() + min(timeout_s or self.prefill_timeout_s, self.prefill_timeout_s)
+            budget = self.remote_prefill_budget_s(uncached)
+            deadline = time.monotonic() + min(timeout_s or budget, budget)
             self.remote[request_id] = RemotePrefillState(request_id, list(prefill_workers), [], 0, deadline)
         log.info("request %s: admitted, %d prompt tokens (%d uncached), %s prefill", request_id, len(prompt),
                  uncached, "remote" if remote else "local")
+
+    def remote_prefill_budget_s(self, uncached_tokens: int) -> float:
+        """How long a remote prefill of this many tokens may take, all attempts together,
+        before it is aborted and prefilled here: `--prefill-timeout`, or REMOTE_PREFILL_SLACK
+        times what this worker measured itself computing that prompt in, if longer (a slow
+        host gets the time its speed needs; a prefill worker's queue and the transfer are
+        in the slack)."""
+        rate = self.liveness.prefill_tokens_per_s
+        measured = REMOTE_PREFILL_SLACK * uncached_tokens / rate if rate > 0 else 0.0
+        return max(self.prefill_timeout_s, measured)
 
     def cancel(self, request_id: str) -> None:
         """The client went away: stop the request within a step; blocks a prefill worker may

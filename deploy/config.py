@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-DTYPES = ("bfloat16", "float32", "float16")
+DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: kernels/host.py
 
 
 class ConfigError(ValueError):
@@ -61,12 +61,13 @@ class PoolConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_waiting: int = 256
+    stall_timeout_s: float = 10.0  # floor of each worker's stall bound (engine/liveness.py)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to `python -m prefill|decode`
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "replicas", "num_cpus", "num_gpus")
         _at_least(self, 1, "kv_blocks", "threads", "max_num_batched_tokens", "max_num_seqs", "max_waiting")
-        _at_least(self, 0, "kv_memory_gib", strict=True)
+        _at_least(self, 0, "kv_memory_gib", "stall_timeout_s", strict=True)
         for name, amount in self.resources.items():
             _require(name not in ("CPU", "GPU"), f"resources.{name}", "use num_cpus / num_gpus instead")
             _require(amount >= 0, f"resources.{name}", f"must be at least 0, got {amount}")
@@ -79,7 +80,7 @@ class PoolConfig:
         return [kv[0], str(kv[1]), "--threads", str(self.threads),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-num-seqs", str(self.max_num_seqs), "--max-waiting", str(self.max_waiting),
-                *self.extra_args]
+                "--stall-timeout", str(self.stall_timeout_s), *self.extra_args]
 
     def bundle(self) -> dict[str, float]:
         """One worker's placement group bundle."""
@@ -146,13 +147,18 @@ class DeployConfig:
 
     model: str = "smollm2"  # 'smollm2', a Hugging Face folder or a .gguf file
     served_name: str | None = None  # the name clients use; None: the model folder's name
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 where each worker's CPU computes it natively, else float32
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     gateway: GatewaySettings = field(default_factory=GatewaySettings)
     health_interval_s: float = 2.0  # the controller's deep-health round
-    unhealthy_after: int = 3  # consecutive failed rounds before a worker is replaced
-    drain_timeout_s: float = 30.0
+    # A deep health call answers at once (a busy worker is judged on its last step, an
+    # idle one probes in milliseconds); one that gets no answer in this time fails.
+    health_timeout_s: float = 10.0
+    unhealthy_after: int = 3  # consecutive failed rounds (wedged or no answer) before a worker is replaced
+    # A draining worker stops once idle, or wedged; this bounds a drain that is still
+    # making progress (the gateway's request timeout: no request it serves lives longer).
+    drain_timeout_s: float = 600.0
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     internal_token: str | None = None  # the gRPC shared secret; None: a random one per deployment
@@ -162,7 +168,7 @@ class DeployConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.decode.replicas >= 1, "decode.replicas",
                  f"must be at least 1 (decode workers serve every request), got {self.decode.replicas}")
-        _at_least(self, 0, "health_interval_s", "ready_timeout_s", strict=True)
+        _at_least(self, 0, "health_interval_s", "health_timeout_s", "ready_timeout_s", strict=True)
         _at_least(self, 0, "drain_timeout_s")
         _at_least(self, 1, "unhealthy_after")
 

@@ -7,8 +7,11 @@ several bundles of one group), starts the gateway, and every health round:
 - reads each host actor's `info()`: a host Ray is restarting, or whose worker process died,
   is out of the membership until its new incarnation is ready (a dead process is restarted
   by killing its host: Ray brings the actor back, which starts a fresh process);
-- deep-checks each worker over gRPC (`Health(deep=True)` runs through the engine loop, so a
-  wedged loop fails it); `unhealthy_after` failures in a row and the host is restarted;
+- deep-checks each worker over gRPC: `Health(deep=True)` says whether its engine loop is
+  making progress (a busy worker by its last completed step against its own stall bound,
+  an idle one by a probe through the loop: engine/liveness.py), so a slow, busy worker is
+  kept and only a wedged one (or one that does not answer) fails; `unhealthy_after`
+  failures in a row and the host is restarted, with the worker's own account logged;
 - pushes the ready workers to the gateway (PUT /admin/workers), which routes to them only.
 
 `scale` adds workers (ready before they join) and removes the newest ones after draining
@@ -194,15 +197,27 @@ class Controller:
         self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
 
     def _drain(self, slot: Slot) -> None:
-        """Out of the gateway's membership, then stopped once idle (or at the drain timeout)."""
+        """Out of the gateway's membership, then stopped once idle. A slow worker is given the
+        time its requests take; only a wedged one (no progress within its own stall bound) or
+        the user's bound `drain_timeout_s` cuts the drain short."""
         slot.state = "draining"
         self._push_membership()
         self._event(f"{slot.role} worker {slot.worker_id}: draining")
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while time.monotonic() < deadline:
+        checked = time.monotonic()
+        while True:
             stats = self._stats(slot)
             if stats is None or (stats.running_requests == 0 and stats.waiting_requests == 0):
                 break
+            if time.monotonic() >= deadline:
+                self._event(f"{slot.role} worker {slot.worker_id}: still busy at the drain bound "
+                            f"({self.config.drain_timeout_s:g}s); stopping it")
+                break
+            if time.monotonic() - checked >= self.config.health_interval_s:
+                checked = time.monotonic()
+                if not self._healthy(slot):
+                    self._event(f"{slot.role} worker {slot.worker_id}: wedged while draining; stopping it")
+                    break
             time.sleep(0.2)
         _quietly(lambda: ray.get(slot.host.stop.remote(), timeout=30))
         self._remove(slot)
@@ -281,10 +296,16 @@ class Controller:
 
     def _healthy(self, slot: Slot) -> bool:
         try:
-            return self._stub(slot).Health(pb.HealthRequest(deep=True), timeout=10).ok
+            h = self._stub(slot).Health(pb.HealthRequest(deep=True), timeout=self.config.health_timeout_s)
         except grpc.RpcError as e:
-            log.info("%s worker %s: deep health failed: %s", slot.role, slot.worker_id, e.code().name)
+            self._event(f"{slot.role} worker {slot.worker_id}: deep health got no answer "
+                        f"({e.code().name}, {self.config.health_timeout_s:g}s deadline)")
             return False
+        if not h.ok:
+            self._event(f"{slot.role} worker {slot.worker_id}: deep health: {h.detail} "
+                        f"[last step {h.last_step_age_s:.1f}s ago, queued {h.queued}, "
+                        f"longest step {h.longest_step_s:.2f}s, stall bound {h.stall_bound_s:.1f}s]")
+        return h.ok
 
     def _stats(self, slot: Slot) -> pb.StatsResponse | None:
         try:

@@ -29,7 +29,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="run the whole system (embedded Ray, or join a cluster)")
     serve.add_argument("--config", help="deployment YAML (see deploy/configs/); flags below override it")
     serve.add_argument("--model", help="'smollm2' (default), a Hugging Face folder or a .gguf file")
-    serve.add_argument("--dtype", help="bfloat16 (default), float32 or float16")
+    serve.add_argument("--dtype", help="auto (default: bfloat16 where the CPU computes it natively, "
+                       "else float32), bfloat16, float32 or float16")
     serve.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = aggregated)")
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
@@ -95,6 +96,14 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(str(e))
         return 1
     _say(f"model ready in {time.monotonic() - t0:.1f}s: {path}")
+    if config.dtype == "auto":
+        from kernels.host import auto_dtype, cpu
+
+        dtype, why = auto_dtype()
+        _say(f"dtype auto: {str(dtype).removeprefix('torch.')} on this host, because {why} [{cpu().describe()}]; "
+             f"each worker chooses on its own node and logs it")
+    else:
+        _say(f"dtype {config.dtype} (as configured)")
 
     import ray
 

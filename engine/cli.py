@@ -13,7 +13,9 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="chat with a model in this process (offline engine, no server)")
     chat.add_argument("--model", default="smollm2",
                       help="'smollm2' (default), a Hugging Face checkpoint folder, or a .gguf file")
-    chat.add_argument("--dtype", default="bfloat16", help="bfloat16 (default) or float32")
+    chat.add_argument("--dtype", default="auto",
+                      help="auto (default: bfloat16 where this CPU computes it natively, else float32), "
+                           "bfloat16 or float32")
     chat.add_argument("--prompt", "-p", help="ask one question and exit (default: interactive)")
     chat.add_argument("--system", help="system prompt (default: the model's own)")
     chat.add_argument("--max-tokens", type=int, default=256)
@@ -40,7 +42,7 @@ def run_chat(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 1
-    print(f"ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+    print(f"ready in {time.perf_counter() - t0:.1f}s: {llm.dtype_choice}", file=sys.stderr, flush=True)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = args.prompt is None
     if interactive:

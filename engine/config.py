@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
+from kernels.host import auto_dtype, log_choice
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+AUTO_DTYPE = "auto"
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -32,13 +35,23 @@ class UnsupportedModelError(ValueError):
     """The checkpoint asks for something this engine cannot run (names what and why)."""
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> tuple[torch.dtype, str]:
+    """A dtype name as a torch dtype, with the reason for it (logged once). `auto` is bf16
+    where this CPU computes it natively and float32 elsewhere (kernels/host.py)."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}") from None
+        resolved, why = dtype, "it was asked for"
+    elif dtype == AUTO_DTYPE:
+        resolved, why = auto_dtype(device)
+    elif dtype in DTYPES:
+        resolved, why = DTYPES[dtype], "it was asked for"
+    else:
+        raise ValueError(f"dtype {dtype!r} is not supported; use {AUTO_DTYPE!r} or one of {sorted(DTYPES)}")
+    log_choice("dtype", str(resolved).removeprefix("torch."), why)
+    return resolved, why
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return resolve_dtype(dtype)[0]
 
 
 @dataclass(frozen=True)

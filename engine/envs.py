@@ -35,3 +35,24 @@ def fault_transfer_file() -> Path | None:
     (any incarnation). Unset in production."""
     value = os.environ.get(FAULT_TRANSFER_FILE)
     return Path(value) if value else None
+
+
+FAULT_SLOW_FACTOR = "PDSERVE_FAULT_SLOW_FACTOR"
+
+
+def fault_slow_factor() -> float:
+    """PDSERVE_FAULT_SLOW_FACTOR: fault injection for tests and chaos runs. A factor >= 1 that
+    stretches every engine step (and the warm-up step) of every worker to that many times
+    its measured duration, by sleeping the difference after it: a slower host, as far as
+    the rest of the system can tell (3 makes a step that took 40 ms take 120 ms). Unset or
+    1 in production."""
+    value = os.environ.get(FAULT_SLOW_FACTOR, "").strip()
+    if not value:
+        return 1.0
+    try:
+        factor = float(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_SLOW_FACTOR}={value!r}: must be a number >= 1") from None
+    if not factor >= 1.0:
+        raise ValueError(f"{FAULT_SLOW_FACTOR}={value!r}: must be a number >= 1")
+    return factor

@@ -15,13 +15,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from kernels.host import cpu
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -31,7 +32,7 @@ class LLM:
     def __init__(
         self,
         model: str = "smollm2",
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_gib: float = 1.0,
@@ -48,7 +49,9 @@ class LLM:
         cache = CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gib, enable_prefix_caching)
         limit = ModelConfig.from_pretrained(path).max_model_len
         sched = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len or limit)
-        self.engine = LLMEngine.from_folder(path, dtype, cache, sched, self.tokenizer.eos_token_ids)
+        resolved, why = resolve_dtype(dtype)
+        self.dtype_choice = f"dtype {str(resolved).removeprefix('torch.')}, because {why} [{cpu().describe()}]"
+        self.engine = LLMEngine.from_folder(path, resolved, cache, sched, self.tokenizer.eos_token_ids)
         self._ids = itertools.count()
 
     def generate(

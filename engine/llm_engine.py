@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_dtype
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
@@ -66,7 +66,7 @@ class LLMEngine:
     def from_folder(
         cls,
         path,
-        dtype: str | torch.dtype = "bfloat16",
+        dtype: str | torch.dtype = "auto",
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
@@ -78,7 +78,7 @@ class LLMEngine:
         if sched.max_model_len > model_cfg.max_model_len:
             raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
                              f"limit of {model_cfg.max_model_len}")
-        return cls(EngineConfig(model_cfg, path, parse_dtype(dtype), cache or CacheConfig(), sched))
+        return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False) -> None:
@@ -101,6 +101,18 @@ class LLMEngine:
         seq = Sequence("__probe__", [self.model.cfg.bos_token_id or 0], SamplingParams(temperature=0, max_tokens=1))
         out = SchedulerOutput([ScheduledChunk(seq, 0, 1, [self._probe_block])])
         return self.runner.execute(out).token_ids["__probe__"]
+
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """One full token budget through the model (a prompt of that many tokens, its KV
+        written into the probe's scratch block only), before any request: the longest step
+        the scheduler can hand the runner at context 0. Returns the tokens it ran."""
+        n = min(self.scheduler.config.max_num_batched_tokens, self.model.cfg.max_model_len)
+        bs = self.kv_manager.block_size
+        seq = Sequence("__warm_up__", [self.model.cfg.bos_token_id or 0] * n, SamplingParams(temperature=0, max_tokens=1))
+        table = [self._probe_block] * -(-n // bs)  # every block of the table is the scratch block
+        self.runner.execute(SchedulerOutput([ScheduledChunk(seq, 0, n, table)]))
+        return n
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None

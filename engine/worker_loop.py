@@ -5,6 +5,10 @@ loop thread between steps, or `call` one and wait for its result. Each iteration
 the queued commands, the worker's `poll` hook (transfers, RPC futures), then one engine
 step if there is work; with nothing to do it sleeps on the command queue for a
 millisecond, so an idle worker costs no CPU but still polls its transfers.
+
+Each completed step is recorded in `liveness` (engine/liveness.py): deep health judges a
+busy worker by how long ago it last completed a step, against a bound derived from its
+own step times, and an idle one by a real probe through the loop.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import envs
+from engine.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 
@@ -29,9 +34,11 @@ _IDLE_WAIT_S = 0.001
 class EngineLoop:
     name = ""  # the worker's name (role-id-incarnation), set by subclasses: the stall fault matches it
 
-    def __init__(self, engine: LLMEngine, name: str = "engine-loop"):
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop", stall_floor_s: float = DEFAULT_STALL_FLOOR_S):
         self.engine = engine
+        self.liveness = Liveness(stall_floor_s)
         self._stall_file = envs.fault_stall_file()
+        self._slow_factor = envs.fault_slow_factor()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -50,8 +57,43 @@ class EngineLoop:
 
     # -- other threads --------------------------------------------------------------------
 
+    def warm_up(self) -> float:
+        """Run the engine's warm-up step (before `start`, on the caller's thread) and learn
+        from it the longest step to expect; returns its duration in seconds."""
+        t0 = time.perf_counter()
+        tokens = self.engine.warm_up()
+        seconds = self._stretch(t0)
+        self.liveness.warmed_up(seconds, tokens)
+        log.info("%s: warm-up step of %d tokens took %.3fs (%.0f tokens/s); stall bound %.1fs (floor %.1fs)%s",
+                 self.name or "worker", tokens, seconds, tokens / seconds, self.liveness.bound_s, self.liveness.floor_s,
+                 f"; steps stretched {self._slow_factor:g}x ({envs.FAULT_SLOW_FACTOR})" if self._slow_factor > 1 else "")
+        return seconds
+
     def start(self) -> None:
         self._thread.start()
+
+    def health(self, timeout_s: float) -> Verdict:
+        """Deep health, from a gRPC thread: a worker with work is judged by its last completed
+        step; an idle one runs a real forward pass through the loop (waiting at most
+        `timeout_s`, the caller's deadline, for it)."""
+        e = self.engine
+        if not self._thread.is_alive():
+            return Verdict(False, False, self.liveness.age_s(), self.liveness.bound_s, self.liveness.longest_step_s,
+                           0, "the engine loop thread is not running")
+        if e.has_unfinished():
+            verdict = self.liveness.judge_busy(e.scheduler.num_waiting + e.scheduler.num_running)
+        else:
+            try:
+                self.call(e.probe, timeout=max(0.05, timeout_s))
+                self.liveness.probed()
+                verdict = self.liveness.judge_idle(True, 0.0)
+            except TimeoutError:
+                verdict = self.liveness.judge_idle(False, time.monotonic() - self.last_iteration)
+            except Exception as exc:  # the model itself failed: not a healthy worker
+                verdict = self.liveness.judge_idle(False, 0.0, error=f"{type(exc).__name__}: {exc}")
+        if not verdict.ok:
+            log.warning("%s: deep health: %s", self.name, verdict.detail)
+        return verdict
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -102,6 +144,15 @@ class EngineLoop:
                 except queue.Empty:
                     pass
 
+    def _stretch(self, t0: float) -> float:
+        """The injected slow host (envs.fault_slow_factor): sleep until the work begun at
+        `t0` has taken `factor` times as long. Returns the (stretched) duration."""
+        took = time.perf_counter() - t0
+        if self._slow_factor > 1.0:
+            time.sleep(took * (self._slow_factor - 1.0))
+            return time.perf_counter() - t0
+        return took
+
     def _stalled(self) -> bool:
         """The injected wedge (envs.fault_stall_file): its file exists and is empty or names us."""
         if self._stall_file is None or self._stop.is_set():
@@ -116,7 +167,10 @@ class EngineLoop:
         busy = self._drain()
         busy |= self.poll()
         if self.engine.has_unfinished():
+            t0 = time.perf_counter()
             deltas = self.engine.step()
+            last = self.engine.last_output
+            self.liveness.stepped(self._stretch(t0), last.num_tokens if last is not None else 0)
             busy |= bool(deltas) or bool(self.engine.last_output and not self.engine.last_output.is_empty)
             self.on_step(deltas)
         return busy

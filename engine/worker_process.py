@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
@@ -29,7 +30,8 @@ log = logging.getLogger(__name__)
 def worker_arguments(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {role}", description=f"pdserve {role} worker (gRPC)")
     p.add_argument("--model", default="smollm2", help="'smollm2', a Hugging Face folder or a .gguf file")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (default: bfloat16 where this CPU computes it natively, else float32), bfloat16, float32")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (cluster-internal)")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--worker-id", default="0")
@@ -42,6 +44,9 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests are refused at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this process")
     p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
+                   help="floor of the stall bound: a worker with work that completes no step for "
+                        "max(this, 10x its longest measured step) seconds is wedged (engine/liveness.py)")
     return p
 
 
@@ -76,6 +81,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")
+    worker.warm_up()  # before it is ready: the longest step to expect, measured, not assumed
     worker.start()
     server.start()
     done = threading.Event()

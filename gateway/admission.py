@@ -17,7 +17,12 @@ the larger is used: in requests, (queued + itself) / requests per second, and in
 tokens, the tokens queued ahead / tokens per second. Short prompts cost mostly per request,
 long ones per token; a long prompt's own prefill is not held against it (nothing queued:
 it is admitted, however long). Until `window` first tokens have been seen, prior rates
-stand in for the missing ones.
+stand in for the missing ones. The priors are measured too: the prompt tokens per second
+the workers report computing (their Stats, read each health round; `observe_capacity`),
+and in requests, that rate over the mean prompt admitted so far (at least
+`MIN_TOKENS_PER_REQUEST`: a request's fixed costs, in the same measured units). So a slow
+host starts from its own speed, not from another host's; the fixed priors below are used
+only before any worker has reported.
 
 A request is refused when its prediction is over `headroom` (75%) of the bound, so that the
 prediction's error stays inside the bound. With nothing queued a request is always admitted
@@ -38,6 +43,9 @@ from dataclasses import dataclass
 from gateway.errors import APIError
 
 
+MIN_TOKENS_PER_REQUEST = 128  # a request costs at least this much prefill work, in prompt tokens
+
+
 @dataclass(eq=False)
 class Ticket:
     """One admitted request, as admission counts it until its first token."""
@@ -54,6 +62,8 @@ class Admission:
         self.headroom = headroom
         self.window = window
         self.prior = (prior_requests_s, prior_tokens_s)
+        self._measured_tokens_s: float | None = None  # what the workers report (observe_capacity)
+        self._admitted = (0, 0)  # requests admitted and their prompt tokens: the mean prompt
         self.clock = clock
         self._queued: set[Ticket] = set()  # admitted here, no first token yet
         self.queued_tokens = 0  # their prompt tokens
@@ -67,13 +77,28 @@ class Admission:
     def queued_requests(self) -> int:
         return len(self._queued)
 
+    def observe_capacity(self, prompt_tokens_s: float) -> None:
+        """The prompt tokens per second the serving workers measured themselves computing
+        (summed over the pool that prefills); 0 or less: not known yet."""
+        self._measured_tokens_s = prompt_tokens_s if prompt_tokens_s > 0 else None
+
+    def priors(self) -> tuple[float, float]:
+        """The rates assumed for first tokens not seen yet: measured where the workers have
+        reported, else the fixed ones."""
+        if self._measured_tokens_s is None:
+            return self.prior
+        n, tokens = self._admitted
+        per_request = max(MIN_TOKENS_PER_REQUEST, tokens / n if n else 0.0)
+        return self._measured_tokens_s / per_request, self._measured_tokens_s
+
     def rates(self) -> tuple[float, float]:
         """First tokens per busy second over the last `window` of them, in requests and in
         prompt tokens; prior rates fill in for the ones not seen yet."""
         n = len(self._done) - 1
         span = self._done[-1][0] - self._done[0][0]
-        missing_s = (self.window - n) / self.prior[0]  # the time the missing ones would have taken
-        tokens = sum(t for _, t in list(self._done)[1:]) + (self.window - n) * self.prior[1] / self.prior[0]
+        prior_requests_s, prior_tokens_s = self.priors()
+        missing_s = (self.window - n) / prior_requests_s  # the time the missing ones would have taken
+        tokens = sum(t for _, t in list(self._done)[1:]) + (self.window - n) * prior_tokens_s / prior_requests_s
         seconds = span + missing_s
         return (self.window / seconds, tokens / seconds) if seconds > 0 else (math.inf, math.inf)
 
@@ -93,6 +118,7 @@ class Admission:
                                     f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
                                headers={"Retry-After": str(wait)})
         ticket = Ticket(prompt_tokens, self._tick())
+        self._admitted = (self._admitted[0] + 1, self._admitted[1] + prompt_tokens)
         self._queued.add(ticket)
         self.queued_tokens += prompt_tokens
         return ticket

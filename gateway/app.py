@@ -72,19 +72,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
             s = stats.get(w.address)
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
+        # admission's prior: the prompt tokens per second the prefilling pool measured itself at
+        prefilling = router.prefill or router.decode
+        admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling
+                                       if w.healthy and (s := stats.get(w.address)) is not None))
         gauges.export(stats)
 
     async def refresh_health() -> bool:
         """Deep-check every worker (the router skips the ones that fail) and read their Stats
         (the router's KV headroom). True if ready."""
         decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
-        decode_ok = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
-        prefill_ok = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
+        decode_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
+        prefill_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
         observe_stats(await backend.all_stats())
-        for w, ok in zip(decode + prefill, decode_ok + prefill_ok):
-            if w.healthy != ok:
-                log.info("worker %s is %s", w.address, "healthy again" if ok else "failing deep health")
-            w.healthy = ok
+        decode_ok, prefill_ok = [h.ok for h in decode_h], [h.ok for h in prefill_h]
+        for w, h in zip(decode + prefill, decode_h + prefill_h):
+            if w.healthy != h.ok:
+                log.info("worker %s is %s", w.address, "healthy again" if h.ok else f"failing deep health: {h.detail}")
+            w.healthy = h.ok
         ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not prefill or any(prefill_ok)))
         return bool(ready_cache["ok"])
 

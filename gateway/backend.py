@@ -37,12 +37,13 @@ class Backend:
         ch = self._channel(address)
         return pb_grpc.DecodeWorkerStub(ch) if address in self.decode else pb_grpc.PrefillWorkerStub(ch)
 
-    async def health(self, address: str, deep: bool, timeout: float = 3.0) -> bool:
+    async def health(self, address: str, deep: bool, timeout: float = 10.0) -> pb.HealthResponse:
+        """The worker's own verdict (deep: is its engine loop making progress?); a call that
+        fails or gets no answer in `timeout` is a failed check, with the reason as its detail."""
         try:
-            resp = await self._stub(address).Health(pb.HealthRequest(deep=deep), timeout=timeout)
-            return resp.ok
-        except grpc.RpcError:
-            return False
+            return await self._stub(address).Health(pb.HealthRequest(deep=deep), timeout=timeout)
+        except grpc.RpcError as e:
+            return pb.HealthResponse(ok=False, detail=f"no answer: {e.code().name}")
 
     async def stats(self, address: str, timeout: float = 1.0) -> pb.StatsResponse | None:
         try:

@@ -18,7 +18,8 @@ def main() -> None:
         parser.error("a prefill worker needs its KV transfer agent")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, model = build_engine(args)
-    worker = PrefillWorker(engine, build_agent("prefill", args, engine, model), args.push_timeout)
+    worker = PrefillWorker(engine, build_agent("prefill", args, engine, model), args.push_timeout,
+                           stall_floor_s=args.stall_timeout)
     serve(worker, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker), server),
           args.host, args.port)
 

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.rpc import pdserve_pb2 as pb
@@ -52,8 +53,9 @@ class _Prefill:
 
 
 class PrefillWorker(EngineLoop):
-    def __init__(self, engine: LLMEngine, agent: TransferAgent, push_timeout_s: float = 60.0):
-        super().__init__(engine, name=f"{agent.name}-loop")
+    def __init__(self, engine: LLMEngine, agent: TransferAgent, push_timeout_s: float = 60.0,
+                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S):
+        super().__init__(engine, name=f"{agent.name}-loop", stall_floor_s=stall_floor_s)
         self.name = agent.name
         self.agent = agent
         self.pusher = KVPusher(agent, default_timeout_s=push_timeout_s)

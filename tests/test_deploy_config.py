@@ -48,11 +48,11 @@ def test_empty_file_and_empty_sections_are_the_defaults(tmp_path):
     assert load(tmp_path, "# only comments\n") == DeployConfig()
     assert load(tmp_path, "decode:\n  # replicas: 2\n") == DeployConfig()
     config = DeployConfig()
-    assert (config.model, config.dtype, config.served_name) == ("smollm2", "bfloat16", None)
+    assert (config.model, config.dtype, config.served_name) == ("smollm2", "auto", None)
     assert config.prefill == config.decode == PoolConfig()
     assert config.gateway == GatewaySettings()
-    assert (config.health_interval_s, config.unhealthy_after) == (2.0, 3)
-    assert (config.drain_timeout_s, config.ready_timeout_s) == (30.0, 300.0)
+    assert (config.health_interval_s, config.health_timeout_s, config.unhealthy_after) == (2.0, 10.0, 3)
+    assert (config.drain_timeout_s, config.ready_timeout_s) == (600.0, 300.0)
 
 
 def test_round_trip_keeps_every_field(tmp_path):
@@ -120,7 +120,7 @@ def test_wrong_types_say_what_was_expected(tmp_path, text, message):
     ("decode: {resources: {GPU: 1}}\n", "decode.resources.GPU: use num_cpus / num_gpus instead"),
     ("gateway: {port: 70000}\n", "gateway.port: must be in 0..65535, got 70000"),
     ("gateway: {max_ttft_s: 0}\n", "gateway.max_ttft_s: must be more than 0"),
-    ("dtype: fp8\n", "dtype: must be one of bfloat16, float32, float16, got 'fp8'"),
+    ("dtype: fp8\n", "dtype: must be one of auto, bfloat16, float32, float16, got 'fp8'"),
     ("unhealthy_after: 0\n", "unhealthy_after: must be at least 1, got 0"),
     ("health_interval_s: 0\n", "health_interval_s: must be more than 0"),
 ])
@@ -156,7 +156,8 @@ def test_worker_args_match_the_worker_flags():
     pool = PoolConfig(threads=2, max_num_batched_tokens=128, max_num_seqs=8, max_waiting=16,
                       extra_args=["--local-prefill-threshold", "32"])
     assert pool.worker_args() == ["--kv-memory-gib", "1.0", "--threads", "2", "--max-num-batched-tokens", "128",
-                                  "--max-num-seqs", "8", "--max-waiting", "16", "--local-prefill-threshold", "32"]
+                                  "--max-num-seqs", "8", "--max-waiting", "16", "--stall-timeout", "10.0",
+                                  "--local-prefill-threshold", "32"]
     assert PoolConfig(kv_blocks=64).worker_args()[:2] == ["--kv-blocks", "64"]
     assert "--kv-memory-gib" not in PoolConfig(kv_blocks=64).worker_args()
 
@@ -195,7 +196,7 @@ def test_overrides_make_a_new_validated_config():
                               port=9000, decode_kv_memory_gib=8, dtype=None)
     assert (new.model, new.prefill.replicas, new.decode.replicas) == ("/models/m", 0, 4)
     assert (new.gateway.host, new.gateway.port, new.decode.kv_memory_gib) == ("0.0.0.0", 9000, 8.0)
-    assert new.dtype == "bfloat16" and base == DeployConfig()  # None means "not given"; base unchanged
+    assert new.dtype == "auto" and base == DeployConfig()  # None means "not given"; base unchanged
     assert base.with_overrides() == base
     with pytest.raises(ConfigError, match=r"^overrides: decode\.replicas: must be at least 1"):
         base.with_overrides(decode_replicas=0)

@@ -62,7 +62,7 @@ class Deployment:
         self._token_before: str | None = None
 
     def config(self, token: str) -> dict:
-        return {"dtype": "bfloat16", "prefill": {"replicas": 1, "kv_blocks": KV_BLOCKS},
+        return {"dtype": "auto", "prefill": {"replicas": 1, "kv_blocks": KV_BLOCKS},
                 "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS,
                            "extra_args": ["--prefill-timeout", str(self.sizes.prefill_timeout_s)]},
                 "gateway": {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS},

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from engine.rpc import pdserve_pb2 as pb
 
-log = logging.getLogger(__name__)
-
-DEEP_HEALTH_TIMEOUT_S = 5.0
+# An idle worker's probe is one token through the loop, which picks it up within a
+# millisecond; past this wait (or the call's deadline) the loop's own heartbeat decides.
+DEEP_HEALTH_PROBE_WAIT_S = 5.0
 
 
 class WorkerServiceMixin:
@@ -29,16 +27,11 @@ class WorkerServiceMixin:
         if not request.deep:
             return pb.HealthResponse(ok=True, worker=self.worker.name)
         remaining = context.time_remaining()
-        timeout = min(DEEP_HEALTH_TIMEOUT_S, remaining if remaining is not None else DEEP_HEALTH_TIMEOUT_S)
-        try:
-            self.worker.call(self.worker.engine.probe, timeout=max(0.05, timeout - 0.05))
-        except TimeoutError:
-            log.warning("deep health: the engine loop ran no forward pass within %.2fs", timeout)
-            return pb.HealthResponse(ok=False, worker=self.worker.name,
-                                     detail=f"engine loop ran no forward pass within {timeout:.2f}s")
-        except Exception as e:
-            return pb.HealthResponse(ok=False, worker=self.worker.name, detail=f"probe failed: {e}")
-        return pb.HealthResponse(ok=True, worker=self.worker.name)
+        wait = DEEP_HEALTH_PROBE_WAIT_S if remaining is None else min(DEEP_HEALTH_PROBE_WAIT_S, remaining - 0.1)
+        v = self.worker.health(wait)
+        return pb.HealthResponse(ok=v.ok, detail=v.detail, worker=self.worker.name, busy=v.busy,
+                                 last_step_age_s=v.last_step_age_s, stall_bound_s=v.stall_bound_s,
+                                 longest_step_s=v.longest_step_s, queued=v.queued)
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Plain reads of counters the loop thread updates: each is consistent on its own.
@@ -49,4 +42,5 @@ class WorkerServiceMixin:
             total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
             step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
             kv_blocks_transferred=w.kv_blocks_transferred, block_size=e.kv_manager.block_size,
+            prefill_tokens_per_s=w.liveness.prefill_tokens_per_s,
         )
