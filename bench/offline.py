@@ -1,6 +1,6 @@
 """Offline throughput, pdserve vs transformers, and decode step time against the roofline.
 
-    python -m bench.offline [--num-requests 64] [--threads 2] [--json out.json]
+    python -m bench.offline [--num-requests 64] [--threads 2] [--dtype bfloat16,float32] [--json out.json]
 
 One run measures, side by side on this machine: (1) the copy bandwidth and matmul rates
 that make the roofline, (2) pdserve's `LLM.generate` over a ShareGPT-like workload
@@ -10,6 +10,10 @@ static batches of --hf-batch, in arrival order. Every request generates exactly 
 output length in both systems (ignore_eos / min_new_tokens); transformers runs each batch
 to its longest request, and only the tokens requests asked for are counted, so that
 waste is what static batching costs. Progress goes to stderr, the table to stdout.
+
+Each dtype of --dtype (default: both bfloat16 and float32, one after the other in one run)
+gets the whole measurement, and the host's CPU (its ISA: AMX-BF16, AVX512, AVX2...) and
+what `auto` picks on it head the output: the host is part of every figure's conditions.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ import torch
 from bench.roofline import DecodeResult, MachineRates, measure_decode
 from bench.workload import Request, sharegpt_requests
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig, parse_dtype
+from engine.config import ModelConfig, resolve_dtype
 from engine.model_source import resolve_model
+from kernels.host import auto_dtype, cpu
 
 
 def log(msg: str) -> None:
@@ -129,7 +134,8 @@ def render(args, conditions: dict, results: list[ThroughputResult], decodes: lis
     """The final table as text."""
     c = conditions
     lines = [
-        f"pdserve offline benchmark: {c['model']}, {c['dtype']}, threads {c['threads']}, torch {c['torch']}"
+        f"pdserve offline benchmark: {c['model']}, {c['dtype']}, threads {c['threads']}, torch {c['torch']}, "
+        f"host {c['host']}"
         + (f", transformers {c['transformers']}" if c["transformers"] else ""),
         f"workload: {c['num_requests']} ShareGPT-like requests (seed {c['seed']}), prompt tokens "
         f"{c['prompt_tokens']} (mean {c['prompt_mean']:.0f}, max {c['prompt_max']}), output tokens "
@@ -173,7 +179,8 @@ def render(args, conditions: dict, results: list[ThroughputResult], decodes: lis
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="alias, .gguf file or Hugging Face folder")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16,float32",
+                   help="comma-separated dtypes, each measured in turn ('auto' allowed); default both")
     p.add_argument("--threads", type=int, default=2, help="torch threads, both systems")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -192,15 +199,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    dtype = parse_dtype(args.dtype)
-    batches = [int(b) for b in args.decode_batches.split(",") if b]
     torch.set_num_threads(args.threads)
+    auto, why = auto_dtype()
+    host = dict(cpu=cpu().describe(), isa=cpu().isa, auto_dtype=str(auto).removeprefix("torch."), auto_reason=why)
+    log(f"host: {host['cpu']}; dtype auto here: {host['auto_dtype']} ({why})")
+    runs = []
+    for name in [d.strip() for d in args.dtype.split(",") if d.strip()]:
+        runs.append(run_dtype(args, name, host))
+    if len(runs) > 1:
+        print(f"\nhost: {host['cpu']}; auto = {host['auto_dtype']}")
+        first = runs[0]
+        for other in runs[1:]:
+            a, b = first["throughput"][0], other["throughput"][0]
+            line = (f"{other['conditions']['dtype']} / {first['conditions']['dtype']}: offline output tok/s "
+                    f"{b['output_tps'] / a['output_tps']:.2f}x")
+            for da, db in zip(first["decode"], other["decode"]):
+                line += f"; decode step at B={da['batch']} {db['mean_s'] / da['mean_s']:.2f}x"
+            print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(host=host, runs=runs), f, indent=2)
+        log(f"wrote {args.json}")
+
+
+def run_dtype(args: argparse.Namespace, dtype_name: str, host: dict) -> dict:
+    """The whole measurement in one dtype; prints its table, returns its figures."""
+    dtype, _ = resolve_dtype(dtype_name)
+    batches = [int(b) for b in args.decode_batches.split(",") if b]
     path = resolve_model(args.model)
     cfg = ModelConfig.from_pretrained(path)
 
     log(f"measuring copy bandwidth and {dtype} matmul rates")
     rates = MachineRates.measure(cfg, dtype, batches, copy_mib=args.copy_mib)
-    log(f"loading pdserve LLM ({path.name}, {args.dtype}, {args.threads} threads)")
+    log(f"loading pdserve LLM ({path.name}, {dtype}, {args.threads} threads)")
     llm = LLM(model=str(path), dtype=dtype, num_threads=args.threads, max_num_seqs=args.max_num_seqs)
     requests = sharegpt_requests(llm.tokenizer, args.num_requests, args.seed, args.max_input, args.max_output)
     results = [run_ours(llm, requests)]
@@ -227,19 +258,17 @@ def main(argv: list[str] | None = None) -> None:
         output_tokens=sum(outs), output_mean=statistics.fmean(outs), output_max=max(outs),
         max_num_seqs=args.max_num_seqs, hf_batch=None if args.skip_hf else args.hf_batch,
         transformers=None if args.skip_hf else importlib.metadata.version("transformers"),
+        host=host["cpu"], isa=host["isa"],
     )
-    print(render(args, conditions, results, decodes, rates))
-    if args.json:
-        payload = dict(
-            conditions=conditions,
-            throughput=[dict(asdict(r), output_tps=r.output_tps, total_tps=r.total_tps) for r in results],
-            decode=[dict(asdict(d), roofline_s=d.roofline.seconds, shape_roofline_s=d.roofline.shape_seconds)
-                    for d in decodes],
-            machine=asdict(rates),
-        )
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
-        log(f"wrote {args.json}")
+    print(render(args, conditions, results, decodes, rates) + "\n")
+    gc.collect()
+    return dict(
+        conditions=conditions,
+        throughput=[dict(asdict(r), output_tps=r.output_tps, total_tps=r.total_tps) for r in results],
+        decode=[dict(asdict(d), roofline_s=d.roofline.seconds, shape_roofline_s=d.roofline.shape_seconds)
+                for d in decodes],
+        machine=asdict(rates),
+    )
 
 
 if __name__ == "__main__":

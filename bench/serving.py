@@ -306,7 +306,7 @@ def parser(prog: str = "pdserve bench") -> argparse.ArgumentParser:
     cmp.add_argument("--compare", action="store_true", help="start both deployments in turn and bench each")
     cmp.add_argument("--cores", type=int, help="workers in each deployment (one core each)")
     cmp.add_argument("--prefill-workers", type=int, default=1, help="prefill workers of the disaggregated one")
-    cmp.add_argument("--dtype", default="bfloat16")
+    cmp.add_argument("--dtype", default="auto")
     cmp.add_argument("--port", type=int, default=8000, help="the deployments' gateway port")
     return ap
 

@@ -109,6 +109,7 @@ def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: flo
     model_len = ModelConfig.from_pretrained(path).max_model_len
     engine = LLMEngine.from_folder(path, dtype, CacheConfig(block_size, None, kv_memory_gib),
                                    SchedulerConfig(max_num_batched_tokens, 64, model_len))
+    dtype = str(engine.config.dtype).removeprefix("torch.")  # what `auto` resolved to on this host
     profile = Profile(model, dtype, threads, block_size, max_num_batched_tokens,
                       engine.kv_manager.num_total_blocks * block_size)
     vocab = engine.config.model.vocab_size
@@ -159,7 +160,8 @@ def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: flo
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="measure prefill and decode step times here, for the planner")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 where the CPU computes it natively, "
+                   "else float32), bfloat16 or float32: the dtype the deployment serves in")
     p.add_argument("--threads", type=int, default=1, help="torch threads, as a worker would use")
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
     p.add_argument("--transfer-ms", type=float, default=4.0, help="KV transfer time per request (bench.transfer)")

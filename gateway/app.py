@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -62,7 +63,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     router = Router(config.decode, config.prefill)
     backend = Backend(config.decode, config.prefill)
-    ready_cache: dict[str, float | bool] = {"at": 0.0, "ok": False}
+    ready_cache: dict[str, float | bool] = {"at": -math.inf, "ok": False}  # never checked: stale
     admission = Admission(config.max_ttft_s)
     gauges = WorkerGauges()
 
@@ -146,7 +147,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 log.info("workers now: decode %s, prefill %s", members.decode, members.prefill)
             router.set_workers(members.decode, members.prefill)
             await backend.set_workers(members.decode, members.prefill)
-            ready_cache["at"] = 0.0  # the next /ready checks the new members
+            ready_cache["at"] = -math.inf  # the next /ready checks the new members
             return {"decode": members.decode, "prefill": members.prefill}
 
     @app.get("/metrics")

@@ -25,6 +25,8 @@ from types import ModuleType
 
 import torch
 
+from kernels.host import log_choice
+
 _CHOICES = ("auto", "torch", "triton")
 
 
@@ -43,8 +45,13 @@ def get_ops(device: torch.device | str) -> ModuleType:
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         from kernels import reference
 
+        log_choice(f"kernels on {device.type}", "torch ops (kernels.reference)",
+                   "PDSERVE_KERNELS=torch" if choice == "torch" else "Triton kernels are for CUDA devices")
         return reference
-    return _triton_ops(device)
+    ops = _triton_ops(device)
+    log_choice(f"kernels on {device.type}", "Triton" + (" (interpreter)" if device.type == "cpu" else ""),
+               "PDSERVE_KERNELS=triton" if choice == "triton" else "a CUDA device")
+    return ops
 
 
 def _triton_ops(device: torch.device) -> ModuleType:

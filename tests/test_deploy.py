@@ -78,10 +78,11 @@ def _status(address: str) -> dict:
 
 
 @contextmanager
-def serving(log: Path, *args: str, timeout_s: float = 240):
+def serving(log: Path, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
     """`pdserve serve ARGS` until it prints that it serves; yields (process, Ray address).
     On exit: SIGTERM, a clean exit code, and no process of its tree left."""
-    proc = subprocess.Popen([str(BIN / "pdserve"), "serve", *args], cwd=REPO, env=ENV, stdout=open(log, "wb"),
+    proc = subprocess.Popen([str(BIN / "pdserve"), "serve", *args], cwd=REPO, env={**ENV, **(env or {})},
+                            stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_for(lambda: "serving " in log.read_text() or proc.poll() is not None, timeout_s, "serving", log)
@@ -184,6 +185,48 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
             return None
     reply = _wait_for(served, 30, "serving after the replacement")
     assert "Paris" in reply.choices[0].message.content
+
+
+def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
+    """Every step stretched 40x (a far slower host) and the prefill worker saturated with long
+    prompts, under a strict controller: deep health answers within a 1 s deadline, one miss
+    in a row replaces. Steps then take longer than that deadline (a probe queued behind one
+    would miss it, as it did before liveness was judged by progress), yet no worker is
+    replaced and every request is served."""
+    from engine.rpc import auth
+    from engine.rpc import pdserve_pb2 as pb
+    from engine.rpc import pdserve_pb2_grpc as pb_grpc
+
+    token = "saturation-test-token"
+    config = tmp_path / "strict.yaml"
+    config.write_text("prefill: {replicas: 1, kv_blocks: 512}\ndecode: {replicas: 1, kv_blocks: 512}\n"
+                      "gateway: {max_ttft_s: null}\n"
+                      f"health_interval_s: 0.5\nhealth_timeout_s: 1.0\nunhealthy_after: 1\ninternal_token: {token}\n")
+    port = _free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
+    prompt = "Tell me about the sea and its ships. " * 60  # ~540 tokens: two prefill steps each
+    with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4",
+                 env={"PDSERVE_FAULT_SLOW_FACTOR": "40"}) as (_, address):
+        (prefill,) = _status(address)["pools"]["prefill"]
+        monkeypatch.setenv(auth.ENV, token)
+        stub = pb_grpc.PrefillWorkerStub(auth.channel(prefill["address"]))
+        verdicts: list = []
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            def one(i: int) -> int:
+                body = {"model": "smollm2", "prompt": f"{i} {prompt}", "max_tokens": 2, "ignore_eos": True}
+                return httpx.post(f"{url}/v1/completions", json=body, timeout=600).status_code
+            sent = [pool.submit(one, i) for i in range(6)]
+            while not all(f.done() for f in sent):
+                verdicts.append(stub.Health(pb.HealthRequest(deep=True), timeout=5))
+                time.sleep(0.5)
+            codes = [f.result() for f in sent]
+        busy = [v for v in verdicts if v.busy]
+        assert busy and all(v.ok for v in verdicts), [v for v in verdicts if not v.ok][:3]
+        assert max(v.longest_step_s for v in busy) > 1.0, busy[-1]  # steps outlasted the deadline
+        assert codes == [200] * 6, codes
+        workers = _status(address)["pools"]["prefill"] + _status(address)["pools"]["decode"]
+        assert [w["restarts"] for w in workers] == [0, 0], workers
+        assert "replacing it" not in log.read_text(), log.read_text()[-3000:]
 
 
 @contextmanager
@@ -300,7 +343,7 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
     from deploy.profile import measure
 
     grid = {"prefill": [32, 256], "long_prompt": 1024, "decode_batch": [1, 4], "decode_context": [64, 256]}
-    measure(str(smollm2_dir), "bfloat16", 1, grid, say=lambda m: None).save(tmp_path / "profile.json")
+    measure(str(smollm2_dir), "auto", 1, grid, say=lambda m: None).save(tmp_path / "profile.json")
     (tmp_path / "planner.yaml").write_text(
         "prefill: {replicas: 1}\ndecode: {replicas: 2}\n"
         f"planner: {{enabled: true, profile: {tmp_path / 'profile.json'}, slo_ttft_s: 2.0, slo_tpot_s: 0.5,\n"
