@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from bench.chaos.deployment import Deployment
 from bench.chaos.report import table
 from bench.chaos.scenarios import SCENARIOS
 from bench.chaos.sizes import FULL, MAX_TTFT_S, QUICK
+from engine import envs
 
 
 def _say(message: str) -> None:
@@ -31,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the small sizes tests/test_chaos.py uses")
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow-factor", type=float, default=None,
+                    help="make every engine step this many times slower (PDSERVE_FAULT_SLOW_FACTOR): a slower host")
     args = ap.parse_args(argv)
+    if args.slow_factor is not None:
+        if args.slow_factor < 1:
+            ap.error("--slow-factor must be at least 1")
+        os.environ[envs.FAULT_SLOW_FACTOR] = str(args.slow_factor)  # every process of the deployment inherits it
+    from kernels.host import cpu
+
+    _say(f"host: {cpu().describe()}; engine steps stretched {envs.fault_slow_factor():g}x")
     names = args.only.split(",") if args.only else list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -62,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     print("\n".join(trouble))
     if args.json:
-        Path(args.json).write_text(json.dumps({"sizes": asdict(sizes), "results": [asdict(r) for r in results]},
-                                              indent=1, default=str))
+        from kernels.host import cpu
+
+        Path(args.json).write_text(json.dumps({"sizes": asdict(sizes), "host": cpu().describe(),
+                                               "slow_factor": envs.fault_slow_factor(),
+                                               "results": [asdict(r) for r in results]}, indent=1, default=str))
     return 0 if not trouble and not any(r.problems() for r in results) else 1
