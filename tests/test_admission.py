@@ -117,3 +117,28 @@ def test_a_long_prompt_is_not_refused_for_its_own_length():
 def test_kv_room_is_checked_first():
     with pytest.raises(APIError, match="KV cache room"):
         Admission(None).admit(10, kv_room=False)
+
+
+def test_a_slow_host_starts_from_its_own_measured_speed_not_the_fixed_priors():
+    """Before its window fills, admission assumes the speed the workers measured. A host 20x
+    slower than the fixed priors, at 5x its capacity from a cold start: with the fixed priors
+    every early request is admitted (the AVX2 host's 0 x 429 and an 18 s TTFT p90); with the
+    measured prior the admitted ones keep the bound from the first request on."""
+    prompt, per_token_s = 400, 20 / 2000  # the fixed prior is 2000 tokens/s; this host does 100
+    service = prompt * per_token_s  # 4 s a request
+    arrivals = [(i * service / 5, prompt) for i in range(30)]  # 5x capacity, from cold
+
+    fixed_clock = Clock()
+    fixed = Admission(max_ttft_s=12.0, clock=fixed_clock)
+    fixed_ttfts, fixed_refused = simulate(fixed, fixed_clock, arrivals, 0.0, per_token_s)
+
+    clock = Clock()
+    adm = Admission(max_ttft_s=12.0, clock=clock)
+    adm.observe_capacity(1 / per_token_s)  # what the workers' Stats report
+    assert adm.priors() == pytest.approx((1 / per_token_s / 128, 1 / per_token_s))  # no prompt seen: the floor
+    ttfts, refused = simulate(adm, clock, arrivals, 0.0, per_token_s)
+    assert max(fixed_ttfts) > 12.0 and p90(ttfts) <= 12.0, (p90(fixed_ttfts), p90(ttfts))
+    assert refused > fixed_refused
+    assert adm.priors()[0] == pytest.approx(1 / per_token_s / prompt)  # per request: the mean prompt admitted
+    adm.observe_capacity(0.0)  # nothing reported: the fixed priors again
+    assert adm.priors() == adm.prior

@@ -187,3 +187,20 @@ def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_ar
     assert replies["first"].result(0).error.code == pb.ERROR_NONE
     assert not engine.has_unfinished() and not engine.scheduler.held
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
+
+
+def test_the_remote_prefill_budget_follows_the_measured_prefill_rate(model):
+    """`--prefill-timeout` is the floor; a prompt this worker measured itself needing longer
+    for (its warm-up step's rate, a slow host's included) gets 10x that time instead."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent(), prefill_timeout_s=5.0)
+    assert worker.remote_prefill_budget_s(10**6) == 5.0  # nothing measured yet: the floor
+    worker.warm_up()
+    rate = worker.liveness.prefill_tokens_per_s
+    assert rate > 0
+    assert worker.remote_prefill_budget_s(1) == 5.0
+    big = int(rate * 2)  # two seconds of this worker's prefill
+    assert worker.remote_prefill_budget_s(big) == pytest.approx(max(5.0, 10 * big / rate))
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 600.0)
+    assert worker.remote["r"].deadline - time.monotonic() <= worker.remote_prefill_budget_s(40) + 0.1
