@@ -114,7 +114,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, authenticate=config.tenants.authenticate)
 
     @app.get("/health")
     async def health() -> dict:

@@ -1,23 +1,73 @@
-"""The request-body size limit, as plain ASGI middleware."""
+"""The front door, as plain ASGI middleware: authenticate, then bound the body as it arrives.
+
+Plain ASGI, not @app.middleware: Starlette's BaseHTTPMiddleware hides client disconnects
+from the endpoint (Request.is_disconnected).
+
+- A POST to the API (`/v1/...`) is authenticated from its headers before a byte of its
+  body is read (401 at once; an open gateway lets everyone in).
+- A body declared over the limit (`Content-Length`) gets 413 at once; a body without one
+  (chunked transfer encoding) is counted as it arrives, and 413 comes as soon as the count
+  passes the limit, so no body larger than the limit is ever held or parsed.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from fastapi import HTTPException
 from fastapi.responses import JSONResponse
+
+from gateway.errors import APIError, error_body
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` past the limit; FastAPI re-raises HTTPExceptions from body reads."""
+
+    def __init__(self, max_bytes: int):
+        super().__init__(413, f"request body over {max_bytes} bytes")
 
 
 class BodyLimit:
-    """413 for a declared body over the limit. Plain ASGI, not @app.middleware: Starlette's
-    BaseHTTPMiddleware hides client disconnects from the endpoint (Request.is_disconnected)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, authenticate: Callable[[str | None], object] | None = None):
+        self.app, self.max_bytes, self.authenticate = app, max_bytes, authenticate
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            size = dict(scope.get("headers") or ()).get(b"content-length", b"")
-            if size.isdigit() and int(size) > self.max_bytes:
-                body = {"error": {"message": f"request body over {self.max_bytes} bytes",
-                                  "type": "invalid_request_error", "param": None, "code": None}}
-                await JSONResponse(body, 413)(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        if self.authenticate is not None and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
+            try:
+                self.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+            except APIError as e:
+                await JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status)(scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        received = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        async def watched_send(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, watched_send)
+        except BodyTooLarge:  # read outside FastAPI's body parsing (nothing answered it)
+            if not started:
+                await self._too_large(scope, receive, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        await JSONResponse(error_body(413, f"request body over {self.max_bytes} bytes"), 413)(scope, receive, send)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -182,6 +183,59 @@ def test_oversized_body_is_413(system):
     resp = httpx.post(f"{system[0]}/v1/completions", content=b"x" * (2 << 20), timeout=30,
                       headers={"content-type": "application/json"})
     assert resp.status_code == 413 and "error" in resp.json()
+
+
+def _raw_post(url: str, head: dict[str, str], body_parts: list[bytes], finish: bool) -> bytes:
+    """POST by hand: the head, then each part as a chunk (chunked encoding), the closing
+    chunk only if `finish`; returns what the server answered within 10 s (b"" if nothing)."""
+    host, port = url.removeprefix("http://").split(":")
+    lines = [f"POST /v1/completions HTTP/1.1", f"host: {host}", "transfer-encoding: chunked",
+             "content-type: application/json", *(f"{k}: {v}" for k, v in head.items())]
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        try:
+            for part in body_parts:
+                s.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            if finish:
+                s.sendall(b"0\r\n\r\n")
+        except OSError:  # the server answered and closed before taking it all: what we want
+            pass
+        data = b""
+        while True:  # until the whole answer (its Content-Length) is in, the server closes, or 10 s pass
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                return data
+            data += chunk
+            head, sep, rest = data.partition(b"\r\n\r\n")
+            length = re.search(rb"(?im)^content-length: *(\d+)", head)
+            if not chunk or (sep and length and len(rest) >= int(length.group(1))):
+                return data
+
+
+def test_a_chunked_body_is_counted_as_it_arrives_and_refused_past_the_limit(system, smollm2_dir, tmp_path):
+    """No Content-Length: the limit is enforced on the bytes as they come, so 413 comes while
+    the client is still sending (it never finishes here), and nothing larger is parsed."""
+    _, prefill, decode = system
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
+                 "--max-body-bytes", "3000") as url:
+        answer = _raw_post(url, {}, [b"x" * 1000] * 4, finish=False)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"request body over 3000 bytes" in answer
+        small = _raw_post(url, {}, [b'{"model": "smollm2", "prompt": "Hi", ', b'"max_tokens": 2}'], finish=True)
+        assert small.startswith(b"HTTP/1.1 200"), small[:300]
+
+
+def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant_gateway):
+    """With API keys, a POST to the API gets 401 from its headers alone: a client that never
+    finishes its body (or sends a huge one) gets its answer all the same."""
+    for head in ({}, {"authorization": "Bearer nope"}):
+        answer = _raw_post(tenant_gateway, head, [b'{"model": "smollm2", '], finish=False)
+        assert answer.startswith(b"HTTP/1.1 401"), (head, answer[:200])
+        assert b"invalid_api_key" in answer
+    ok = _raw_post(tenant_gateway, {"authorization": "Bearer key-b"},
+                   [b'{"model": "smollm2", "prompt": "Hi", "max_tokens": 2}'], finish=True)
+    assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
 
 
 def test_configured_limits_on_prompt_tokens_and_body_size(system, smollm2_dir, tmp_path):
