@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512  # per stop string: what is held back of the text (and searched) is this long at most
 MAX_LOGIT_BIAS = 300
 
 
@@ -47,6 +48,8 @@ class _Sampling(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("logit_bias")

@@ -1,7 +1,10 @@
 """Token ids -> text deltas for one response: UTF-8-safe detokenization and stop strings.
 
 Text that could be the start of a stop string is held back until it is known not to be
-one, so a stop string is never sent, even split across tokens.
+one, so a stop string is never sent, even split across tokens. Held-back text was already
+searched, so each step searches only where a stop string could newly end: the new text
+and the last len(stop) - 1 characters before it. The work per token is then the new text
+times the number of stop strings, whatever their length (gateway/protocol.py bounds it).
 """
 
 from __future__ import annotations
@@ -22,16 +25,19 @@ class TextStream:
         """Text to send now for these new tokens."""
         if self.stopped:
             return ""
-        return self._emit(self._pending + self._detok.step(token_ids), final=False)
+        return self._emit(self._pending, self._detok.step(token_ids), final=False)
 
     def finish(self) -> str:
         """Whatever was held back, at the end of the generation."""
         if self.stopped:
             return ""
-        return self._emit(self._pending + self._detok.flush(), final=True)
+        return self._emit(self._pending, self._detok.flush(), final=True)
 
-    def _emit(self, text: str, final: bool) -> str:
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+    def _emit(self, searched: str, new: str, final: bool) -> str:
+        """`searched`: held back and already known to hold no whole stop string."""
+        text = searched + new
+        seen = len(searched)
+        cut = min((i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in self._stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             self._pending = ""

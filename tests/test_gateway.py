@@ -157,6 +157,7 @@ def test_a_client_leaving_a_non_streamed_request_cancels_it(system):
     ({"model": "smollm2", "messages": CHAT, "n": 2}, 400, "n"),
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "messages": CHAT, "stop": "x" * 60_000}, 400, "stop"),  # held back and searched per token
     ({"model": "smollm2", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": "hi " * 9000}]}, 413, "messages"),
     ({"model": "gpt-5", "messages": CHAT}, 404, "model"),
