@@ -45,6 +45,9 @@ class EngineLoop:
         self.last_iteration = time.monotonic()  # a stalled loop stops moving this
         self.num_errors = 0  # iterations that raised (logged); the loop keeps going
         self._idle_command: Callable[[], None] | None = None
+        self._probe: Future | None = None  # the probe in flight: concurrent deep checks share it
+        self._probe_lock = threading.Lock()
+        self.num_probes = 0  # probes the loop ran (a flood of deep checks runs few)
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -84,7 +87,7 @@ class EngineLoop:
             verdict = self.liveness.judge_busy(e.scheduler.num_waiting + e.scheduler.num_running)
         else:
             try:
-                self.call(e.probe, timeout=max(0.05, timeout_s))
+                self._shared_probe().result(timeout=max(0.05, timeout_s))
                 self.liveness.probed()
                 verdict = self.liveness.judge_idle(True, 0.0)
             except TimeoutError:
@@ -94,6 +97,23 @@ class EngineLoop:
         if not verdict.ok:
             log.warning("%s: deep health: %s", self.name, verdict.detail)
         return verdict
+
+    def _shared_probe(self) -> Future:
+        """The probe in flight, or a new one: checks that arrive together share one forward pass."""
+        with self._probe_lock:
+            if self._probe is None or self._probe.done():
+                future: Future = Future()
+
+                def run() -> None:
+                    self.num_probes += 1
+                    try:
+                        future.set_result(self.engine.probe())
+                    except BaseException as e:  # handed to every waiting caller
+                        future.set_exception(e)
+
+                self._probe = future
+                self.submit(run)
+            return self._probe
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

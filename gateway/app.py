@@ -94,11 +94,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ready_cache.update(at=time.monotonic(), ok=any(decode_ok) and (not prefill or any(prefill_ok)))
         return bool(ready_cache["ok"])
 
+    in_flight: dict[str, asyncio.Task] = {}
+
+    async def shared(name: str, fn):
+        """`fn()` one at a time: callers that come while one runs share its result (a flood of
+        /ready or /metrics costs the workers one round, not one each)."""
+        task = in_flight.get(name)
+        if task is None or task.done():
+            task = in_flight[name] = asyncio.create_task(fn())
+        return await asyncio.shield(task)
+
+    async def refresh_once() -> bool:
+        return await shared("health", refresh_health)
+
     async def health_loop() -> None:
         while True:
             await asyncio.sleep(config.health_interval_s)
             try:
-                await refresh_health()
+                await refresh_once()
             except Exception:  # never let the loop die; the next round tries again
                 log.exception("health check round failed")
 
@@ -123,7 +136,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         if time.monotonic() - ready_cache["at"] > config.health_interval_s:
-            await refresh_health()
+            await refresh_once()
         status = 200 if ready_cache["ok"] else 503
         return JSONResponse({"ready": bool(ready_cache["ok"])}, status)
 
@@ -152,7 +165,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        observe_stats(await backend.all_stats())
+        observe_stats(await shared("stats", backend.all_stats))  # Stats only: counters, no forward pass
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -3,6 +3,8 @@ the official `openai` client and by raw HTTP for what a client library hides."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import re
@@ -15,6 +17,7 @@ import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
+from engine.rpc import pdserve_pb2 as pb
 from tests.worker_procs import REPO, start_workers, wait_idle
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -72,6 +75,35 @@ def test_models_health_and_ready(system, client):
     url = system[0]
     assert [m.id for m in client.models.list()] == ["smollm2"]
     assert httpx.get(f"{url}/ready", timeout=10).json() == {"ready": True}
+
+
+def test_a_flood_of_ready_and_metrics_costs_the_workers_one_round_at_a_time(system):
+    """/ready and /metrics are open (a load balancer and Prometheus call them without a key),
+    so they must not amplify: 300 of each at once, from a cold cache, run a handful of deep
+    probes on each worker (the gateway's refresh is shared, its answer cached for the health
+    interval), not one each."""
+    url, prefill, decode = system
+    before = [w.stats().deep_probes for w in (prefill, decode)]
+
+    async def flood() -> list[int]:
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as http:
+            replies = await asyncio.gather(*(http.get(f"{url}/{path}") for _ in range(300)
+                                             for path in ("ready", "metrics")))
+        return [r.status_code for r in replies]
+
+    codes = asyncio.run(flood())
+    assert set(codes) == {200}, sorted(set(codes))
+    ran = [w.stats().deep_probes - b for w, b in zip((prefill, decode), before)]
+    assert all(n <= 8 for n in ran), ran  # the flood's own rounds, plus the health loops' of the gateways up
+
+
+def test_concurrent_deep_checks_share_one_probe_on_the_worker(system):
+    _, _, decode = system
+    before = decode.stats().deep_probes
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        verdicts = list(pool.map(lambda _: decode.stub.Health(pb.HealthRequest(deep=True), timeout=30), range(64)))
+    assert all(v.ok for v in verdicts)
+    assert decode.stats().deep_probes - before < 32, decode.stats().deep_probes - before
 
 
 def test_metrics_cover_the_gateway_and_every_worker(system, client):

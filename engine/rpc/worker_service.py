@@ -42,5 +42,5 @@ class WorkerServiceMixin:
             total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
             step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
             kv_blocks_transferred=w.kv_blocks_transferred, block_size=e.kv_manager.block_size,
-            prefill_tokens_per_s=w.liveness.prefill_tokens_per_s,
+            prefill_tokens_per_s=w.liveness.prefill_tokens_per_s, deep_probes=w.num_probes,
         )
