@@ -17,6 +17,8 @@ from pathlib import Path
 
 import yaml
 
+from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
+
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: kernels/host.py
 
 
@@ -99,9 +101,15 @@ class GatewaySettings:
     max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
     max_prompt_tokens: int | None = None  # longer prompts get 413; None: the context limit
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # Serve with no tenants file on a non-loopback host: anyone who reaches it can use it.
+    insecure_no_api_keys: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
+        _require(open_bind_refusal(self.host, self.tenants is not None, self.insecure_no_api_keys) is None, "host",
+                 f"{self.host} with no tenants file would serve anyone who reaches it with no key: set "
+                 "gateway.tenants (a JSON file of API keys), bind 127.0.0.1, or set "
+                 "gateway.insecure_no_api_keys: true to accept the risk")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _at_least(self, 0, "max_ttft_s", strict=True)
         _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes")
@@ -117,6 +125,8 @@ class GatewaySettings:
             args += ["--max-output-tokens", str(self.max_output_tokens)]
         if self.max_prompt_tokens is not None:
             args += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        if self.insecure_no_api_keys:
+            args.append(OPT_IN_FLAG)
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

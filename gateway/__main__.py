@@ -16,6 +16,7 @@ import uvicorn
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
 from gateway.app import GatewayConfig, create_app
+from gateway.exposure import OPT_IN_FLAG, is_loopback, open_bind_refusal
 from gateway.tenants import Tenants
 
 
@@ -37,7 +38,12 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="longer prompts get 413 (default: the context limit)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
+                    help="serve without API keys on a non-loopback address: anyone who reaches it can use it")
     args = ap.parse_args()
+    refusal = open_bind_refusal(args.host, bool(args.tenants), args.insecure_no_api_keys)
+    if refusal:
+        ap.error(refusal)
     admin_token = os.environ.get("PDSERVE_ADMIN_TOKEN") or None
     if not args.decode and not admin_token:
         ap.error("--decode is required (or PDSERVE_ADMIN_TOKEN, for membership pushed by the deploy controller)")
@@ -47,6 +53,9 @@ def main() -> None:
     # config.json directly: the gateway never imports torch (engine.config does)
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
     tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
+    if tenants.open and not is_loopback(args.host):
+        logging.getLogger("gateway").warning("serving on %s with no API keys (%s): anyone who reaches it can use it",
+                                             args.host, OPT_IN_FLAG)
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,

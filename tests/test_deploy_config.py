@@ -190,9 +190,21 @@ def test_gateway_args_only_name_what_is_set():
                            "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--max-body-bytes", "4096"]
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gateway.internal"])
+def test_an_open_gateway_off_loopback_is_refused_unless_the_risk_is_accepted(host):
+    with pytest.raises(ConfigError, match=r"gateway\.host: .* with no tenants file would serve anyone"):
+        DeployConfig().with_overrides(host=host)
+    keyed = DeployConfig().with_overrides(host=host, tenants="t.json")
+    assert "--insecure-no-api-keys" not in keyed.gateway.args()
+    accepted = DeployConfig.from_dict({"gateway": {"host": host, "insecure_no_api_keys": True}})
+    assert "--insecure-no-api-keys" in accepted.gateway.args()
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert DeployConfig().with_overrides(host=loopback).gateway.host == loopback  # local use stays open
+
+
 def test_overrides_make_a_new_validated_config():
     base = DeployConfig()
-    new = base.with_overrides(model="/models/m", prefill_replicas=0, decode_replicas=4, host="0.0.0.0",
+    new = base.with_overrides(model="/models/m", prefill_replicas=0, decode_replicas=4, host="0.0.0.0", tenants="t.json",
                               port=9000, decode_kv_memory_gib=8, dtype=None)
     assert (new.model, new.prefill.replicas, new.decode.replicas) == ("/models/m", 0, 4)
     assert (new.gateway.host, new.gateway.port, new.decode.kv_memory_gib) == ("0.0.0.0", 9000, 8.0)

@@ -456,3 +456,28 @@ def test_a_decode_worker_dying_mid_stream_ends_the_stream_with_an_error_event(sy
         assert s.free_blocks == s.total_blocks and s.running_requests == 0
     finally:
         doomed.stop()
+
+
+def test_an_open_gateway_refuses_a_non_loopback_bind_unless_told(system, smollm2_dir, tmp_path):
+    """No tenants file and an address other machines could reach: the gateway will not start,
+    and says why; `--insecure-no-api-keys` (which names the risk) or API keys let it."""
+    _, prefill, decode = system
+    cmd = [sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--served-name", "smollm2",
+           "--decode", decode.address, "--host", "0.0.0.0", "--port", str(_free_port())]
+    refused = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "refusing to serve on 0.0.0.0 without API keys" in refused.stderr, refused
+    port = _free_port()
+    gw = subprocess.Popen([*cmd[:-1], str(port), "--insecure-no-api-keys"], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            assert gw.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        gw.terminate()
+        out, _ = gw.communicate(timeout=10)
+    assert "with no API keys" in out  # warned, loudly
