@@ -21,7 +21,7 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RemotePrefill, ScheduledChunk, Scheduler, SchedulerOutput
+from engine.scheduler import RemotePrefill, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
 
@@ -84,11 +84,25 @@ class LLMEngine:
                     priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False) -> None:
         """Queue a request. remote_prefill: reserve blocks for KV written by a prefill worker
         (see take_remote_prefills); hold_blocks: keep its blocks after it finishes until
-        scheduler.release() (a prefill worker pushing them)."""
+        scheduler.release() (a prefill worker pushing them). Raises RequestRejected (see
+        check_token_ids, and the scheduler's own limits)."""
+        self.check_token_ids(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority)
         seq.remote_prefill = remote_prefill
         seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)
+
+    def check_token_ids(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """RequestRejected for a token id outside the vocabulary (prompt, stop_token_ids,
+        logit_bias keys): an embedding lookup or a bias out of range would fail the whole
+        step, every request in it, not just this one."""
+        vocab = self.model.cfg.vocab_size
+        for what, ids in (("prompt", prompt_token_ids), ("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejected(request_id, f"{what}: token id {bad} is not in this model's vocabulary "
+                                                  f"[0, {vocab})")
 
     def take_remote_prefills(self) -> list[RemotePrefill]:
         """Block reservations made for remote-prefill requests since the last call."""

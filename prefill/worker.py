@@ -69,6 +69,7 @@ class PrefillWorker(EngineLoop):
             timeout_s: float | None) -> None:
         """Queue a prefill; failures before anything started resolve `reply` with an error."""
         rid = req.request_id
+        self.engine.check_token_ids(rid, list(req.prompt_token_ids), params)
         if rid in self.requests:  # e.g. its push is still in flight; its blocks are held under this id
             raise ValueError(f"request {rid}: duplicate request id (one with this id is still in flight)")
         dest = req.destination

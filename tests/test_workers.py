@@ -15,6 +15,7 @@ leak check on the workers it used (Stats: nothing queued or running, every block
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import random
 import threading
@@ -466,6 +467,39 @@ def test_invalid_sampling_params_are_refused_naming_the_field(workers, params, f
         e = rpc_error(lambda: d.stub.Generate(req, timeout=10))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
         assert field in e.details(), e.details()
+    assert_idle(d, p)
+
+
+@pytest.mark.parametrize("what", ["prompt", "stop_token_ids", "logit_bias"])
+def test_token_ids_outside_the_vocabulary_are_refused_and_the_batch_goes_on(workers, reference, what):
+    """An id past the vocabulary would fail the embedding lookup or the sampler of a whole
+    step (every request in it); the worker refuses it at admission, naming the field, and
+    the request beside it is served as if it were alone. Both workers check: D's local path,
+    and P, which a caller with the internal token can reach directly."""
+    d, p = workers.d, workers.p
+    rng = random.Random(21)
+    good_prompt = _prompt(rng, 40)
+    [want] = reference([good_prompt], 8)
+    vocab = 10**6  # far past any tiny model's vocabulary
+    sp = pb.SamplingParams(temperature=0, max_tokens=4)
+    prompt = [5, 6, 7]
+    if what == "prompt":
+        prompt = [5, vocab, 7]
+    elif what == "stop_token_ids":
+        sp.stop_token_ids.append(vocab)
+    else:
+        sp.logit_bias[vocab] = 1.0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(generate, d, good_prompt, 8, [p.address])
+        for prefill in ([p.address], []):
+            req = pb.GenerateRequest(request_id=f"bad-{what}", prompt_token_ids=prompt, params=sp,
+                                     prefill_workers=prefill)
+            e = rpc_error(lambda: d.stub.Generate(req, timeout=10))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and what in e.details(), e.details()
+        assert good.result(timeout=60).tokens == want
+    direct = p.stub.Prefill(pb.PrefillRequest(request_id=f"bad-{what}-p", prompt_token_ids=prompt, params=sp),
+                            timeout=10)
+    assert direct.error.code == pb.INVALID_REQUEST and what in direct.error.message, direct
     assert_idle(d, p)
 
 
