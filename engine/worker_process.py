@@ -20,7 +20,7 @@ from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
-from engine.rpc.auth import ServerAuth, internal_token
+from engine.rpc.auth import ServerAuth, internal_token, require_token_off_loopback
 from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
 
@@ -51,6 +51,7 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
 
 
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
+    require_token_off_loopback(args.host)  # before the slow part: a refused bind fails at once
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()

@@ -7,18 +7,10 @@ config, unless the operator opts in with a flag that names the risk.
 
 from __future__ import annotations
 
-import ipaddress
+from engine.rpc.auth import is_loopback
 
 OPT_IN_FLAG = "--insecure-no-api-keys"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve anywhere
-        return False
+__all__ = ["OPT_IN_FLAG", "is_loopback", "open_bind_refusal"]
 
 
 def open_bind_refusal(host: str, has_keys: bool, opted_in: bool) -> str | None:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +36,7 @@ from engine.llm_engine import LLMEngine
 from engine.rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
-from tests.worker_procs import WorkerProc, start_workers, wait_idle, wait_until
+from tests.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
 
 BLOCK = 16
 BUDGET = 32  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -562,3 +565,19 @@ def test_full_queue_is_resource_exhausted_and_leaks_nothing(workers, reference):
     [want] = reference([prompt], 8)
     assert generate(small, prompt, prefill=[workers.p.address]).tokens == want
     assert_idle(small)
+
+
+def test_a_worker_without_the_internal_token_listens_on_loopback_only(model, tmp_path):
+    """With no PDSERVE_INTERNAL_TOKEN a worker checks no caller, so it refuses an address
+    other machines reach, at once and saying why; with the token it serves there."""
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_INTERNAL_TOKEN"}
+    cmd = [sys.executable, "-m", "decode", "--model", str(model), "--dtype", "float64", "--kv-blocks", "16",
+           "--no-transfer", "--host", "0.0.0.0", "--port", "0"]
+    refused = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "refusing to listen on 0.0.0.0 without PDSERVE_INTERNAL_TOKEN" in refused.stderr
+    (w,) = start_workers([("decode", ["--dtype", "float64", "--kv-blocks", "16", "--no-transfer", "--host", "0.0.0.0"],
+                           {"PDSERVE_INTERNAL_TOKEN": "t0ken"})], model, tmp_path)
+    try:
+        assert w.address.startswith("0.0.0.0:")
+    finally:
+        w.stop()

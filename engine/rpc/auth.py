@@ -4,12 +4,14 @@ Every process of a deployment gets the same PDSERVE_INTERNAL_TOKEN in its enviro
 (`pdserve serve` makes a random one unless the config names one). Workers then refuse any
 call without it (UNAUTHENTICATED), and every client here sends it as `x-pdserve-token`
 metadata. With the variable unset (workers started by hand for local use) nothing is
-checked. The token is compared in constant time and never logged.
+checked, so such a worker binds loopback only (`require_token_off_loopback`). The token is
+compared in constant time and never logged.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 
 import grpc
@@ -21,6 +23,23 @@ HEADER = "x-pdserve-token"
 
 def internal_token() -> str | None:
     return os.environ.get(ENV) or None
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback address (127.0.0.0/8, ::1, localhost); a host name may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def require_token_off_loopback(host: str) -> None:
+    """A worker without the internal token checks no caller: it may listen on loopback only."""
+    if internal_token() is None and not is_loopback(host):
+        raise SystemExit(f"refusing to listen on {host} without {ENV}: with no token this worker would take "
+                         "calls from anyone who reaches it; set the token (pdserve serve does) or bind 127.0.0.1")
 
 
 class ServerAuth(grpc.ServerInterceptor):
