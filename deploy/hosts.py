@@ -15,28 +15,28 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import ray
 
+from deploy.process_log import RotatingLog, log_root
 from engine.parent_watch import ENV as PARENT_ENV
 
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
-LOG_ROOT = Path(tempfile.gettempdir()) / "pdserve-logs"
+LOG_ROOT = log_root()
 
 
 class HostedProcess:
-    """A child process with its log in a file; `stop` always ends it."""
+    """A child process with its log in a private, size-rotated file; `stop` always ends it."""
 
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str]):
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
+        log = RotatingLog(log_path)
         full_env = {**os.environ, **env, PARENT_ENV: str(os.getpid()), "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._copier = log.follow(self.proc.stdout)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

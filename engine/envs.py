@@ -11,6 +11,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
 
 
+def log_dir() -> Path:
+    """PDSERVE_LOG_DIR: where a deployment's processes log, one folder per deployment
+    (default <cache dir>/logs; folders 0700, files 0600, rotated by size)."""
+    value = os.environ.get("PDSERVE_LOG_DIR")
+    return Path(value) if value else cache_dir() / "logs"
+
+
 FAULT_STALL_FILE = "PDSERVE_FAULT_STALL_FILE"
 
 
