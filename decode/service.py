@@ -17,7 +17,9 @@ from engine.scheduler import QueueFull, RequestRejected
 
 log = logging.getLogger(__name__)
 
-_ADMIT_TIMEOUT_S = 10.0
+# The loop admits between steps: the wait is one step at most, and a loop that takes longer
+# than its stall bound (engine/liveness.py) is wedged anyway. This floor is for fast hosts.
+_ADMIT_FLOOR_S = 10.0
 _POLL_S = 0.5
 
 
@@ -36,7 +38,7 @@ class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
         try:
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
                                                      list(request.prefill_workers), out, context.time_remaining()),
-                             timeout=_ADMIT_TIMEOUT_S)
+                             timeout=max(_ADMIT_FLOOR_S, self.worker.liveness.bound_s))
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestRejected as e:
