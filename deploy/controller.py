@@ -135,15 +135,24 @@ class Controller:
                 raise
             finally:
                 self._push_membership()
+            leaving = []
             for role, target in targets.items():
                 while target is not None and len(self.pools[role]) > target:
-                    self._drain(self.pools[role].pop())  # the newest first
+                    leaving.append(self.pools[role].pop())  # the newest first
+            for slot in leaving:
+                slot.state = "draining"
+            if leaving:
+                self._push_membership()  # out of routing now; the rounds go on while they drain
+        for slot in leaving:  # outside the lock: a slow drain holds up no health round
+            self._drain(slot)
         return self.status()
 
     def status(self) -> dict:
-        with self.lock:
-            return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.planner.last_plan,
-                    "pools": {role: [s.public() for s in slots] for role, slots in self.pools.items()}}
+        """A snapshot, without the lock: a scale in progress (workers starting or draining,
+        minutes on a slow host) must not make status wait."""
+        pools = {role: list(slots) for role, slots in self.pools.items()}
+        return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.planner.last_plan,
+                "pools": {role: [s.public() for s in slots] for role, slots in pools.items()}}
 
     def events_since(self, index: int) -> list[str]:
         return self.events[index:]
@@ -200,8 +209,6 @@ class Controller:
         """Out of the gateway's membership, then stopped once idle. A slow worker is given the
         time its requests take; only a wedged one (no progress within its own stall bound) or
         the user's bound `drain_timeout_s` cuts the drain short."""
-        slot.state = "draining"
-        self._push_membership()
         self._event(f"{slot.role} worker {slot.worker_id}: draining")
         deadline = time.monotonic() + self.config.drain_timeout_s
         checked = time.monotonic()

@@ -17,8 +17,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # before Ray is imported, inherited by every Ray process
+# Ray's token auth, always (before Ray is imported; every Ray process inherits it): an open
+# Ray runs anyone's code through its job-submission API. Ray finds the token as it
+# documents (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token, which an embedded
+# cluster's first start writes), so `pdserve status` and `scale` on this machine need
+# nothing more. Only a test's own loopback sandbox sets RAY_AUTH_MODE=disabled.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from deploy.config import ConfigError, DeployConfig  # noqa: E402
 
@@ -53,6 +59,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def _say(message: str) -> None:
     print(f"pdserve: {message}", file=sys.stderr, flush=True)
+
+
+def _check_ray_auth() -> None:
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        _say(f"WARNING: RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}: Ray's APIs take anyone's code on this "
+             "cluster's ports; use token auth (unset it) outside a sandbox")
+
+
+def _private_ray_token() -> None:
+    """Ray writes its default token file readable by all; only its owner needs it."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    try:
+        if path.is_file():
+            path.chmod(0o600)
+    except OSError:
+        pass
 
 
 def load_config(args: argparse.Namespace) -> DeployConfig:
@@ -107,6 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import ray
 
+    _check_ray_auth()
     address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         _say(f"joining the Ray cluster at {address}")
@@ -117,6 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(f"starting an embedded Ray with {cpus} CPUs")
         ray.init(address="local", num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False,
                  logging_level=logging.WARNING, log_to_driver=False)
+    _private_ray_token()
     for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own (which exits at once)
         signal.signal(sig, on_signal)
     _say(f"Ray cluster at {ray.get_runtime_context().gcs_address} (pdserve status/scale --address ...)")

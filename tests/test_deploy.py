@@ -187,6 +187,34 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
     assert "Paris" in reply.choices[0].message.content
 
 
+_UNAUTHENTICATED_CLIENT = """
+import sys, ray
+try:
+    ray.init(address=sys.argv[1], logging_level="ERROR")
+    print("CONNECTED")
+except Exception as e:
+    print("REFUSED", type(e).__name__)
+"""
+
+
+def test_the_embedded_ray_takes_no_call_without_its_token(smollm2_dir, tmp_path):
+    """`pdserve serve` outside a test's sandbox runs Ray with token auth: a client without the
+    token cannot attach to its cluster (so cannot run code on it), while `pdserve status` on
+    the same machine finds the token and works. This module's other tests disable auth in
+    their own loopback sandbox, as the deployment docs allow only there."""
+    port = _free_port()
+    token_env = {"RAY_AUTH_MODE": "token"}  # what serve sets when nothing is set
+    with serving(tmp_path / "serve.log", "--dtype", "float32", "--port", str(port), "--prefill", "0",
+                 "--num-cpus", "2", env=token_env) as (_, address):
+        probe = subprocess.run([sys.executable, "-c", _UNAUTHENTICATED_CLIENT, address], env=ENV,  # auth disabled
+                               capture_output=True, text=True, timeout=120)
+        assert "REFUSED" in probe.stdout and "CONNECTED" not in probe.stdout, probe.stdout + probe.stderr[-2000:]
+        status = subprocess.run([str(BIN / "pdserve"), "status", "--address", address, "--json"], cwd=REPO,
+                                env={**ENV, **token_env}, capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0 and json.loads(status.stdout)["pools"]["decode"], status.stderr
+        assert "WARNING: RAY_AUTH_MODE" not in (tmp_path / "serve.log").read_text()
+
+
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
     """Every step stretched 40x (a far slower host) and the prefill worker saturated with long
     prompts, under a strict controller: deep health answers within a 1 s deadline, one miss
