@@ -37,7 +37,8 @@ class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         try:
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
-                                                     list(request.prefill_workers), out, context.time_remaining()),
+                                                     list(request.prefill_workers), out, context.time_remaining(),
+                                                     request.cache_salt),
                              timeout=max(_ADMIT_FLOOR_S, self.worker.liveness.bound_s))
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -78,14 +78,15 @@ class DecodeWorker(EngineLoop):
     # -- commands (run on the loop thread) -----------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-            prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None) -> None:
+            prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
+            cache_salt: str = "") -> None:
         """Admit a request (raises RequestRejected / QueueFull for the RPC to answer)."""
         if request_id in self.remote or request_id in self.engine.scheduler.held:
             # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
             raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
-        uncached = len(prompt) - self.engine.kv_manager.num_cached_tokens(prompt)
+        uncached = len(prompt) - self.engine.kv_manager.num_cached_tokens(prompt, cache_salt)
         remote = bool(prefill_workers) and self.agent is not None and uncached > self.local_prefill_threshold
-        self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote)
+        self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt)
         self.streams[request_id] = _Stream(out, len(prompt), params)
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
@@ -186,12 +187,13 @@ class DecodeWorker(EngineLoop):
         state.destination_blocks = rp.destination_blocks
         state.num_cached_tokens = rp.num_cached_tokens
         self.streams[state.request_id].cached_tokens = rp.num_cached_tokens
-        self._send_prefill(state, rp.seq.prompt_token_ids, rp.seq.params, rp.seq.priority)
+        self._send_prefill(state, rp.seq.prompt_token_ids, rp.seq.params, rp.seq.priority, rp.seq.cache_salt)
 
     def _send_prefill(self, state: RemotePrefillState, prompt: list[int], params: SamplingParams,
-                      priority: int) -> None:
+                      priority: int, cache_salt: str) -> None:
         req = pb.PrefillRequest(
             request_id=state.request_id, prompt_token_ids=prompt, params=params_to_pb(params), priority=priority,
+            cache_salt=cache_salt,
             destination=pb.KVDestination(agent_name=self.agent.name, block_ids=state.destination_blocks,
                                          num_cached_tokens=state.num_cached_tokens),
             decode_transfer_info=self._transfer_info,
@@ -276,7 +278,7 @@ class DecodeWorker(EngineLoop):
         if state.has_next_worker and time.monotonic() < state.deadline:
             state.attempt += 1
             seq = self.engine.scheduler.awaiting_kv[rid]
-            self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority)
+            self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority, seq.cache_salt)
             return
         del self.remote[rid]
         log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))

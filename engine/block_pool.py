@@ -35,12 +35,21 @@ def hash_block_tokens(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def salt_root(salt: str) -> bytes | None:
+    """The parent of a request's first block: None with no salt (shared by everyone), else a
+    hash of the salt, so that only requests with the same salt find each other's blocks (a
+    tenant cannot probe, block by block, what another tenant's prompts began with)."""
+    if not salt:
+        return None
+    return hashlib.blake2b(b"\x02" + salt.encode(), digest_size=16).digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str = "") -> list[bytes]:
     """Chained hashes of the full blocks of `token_ids`; a trailing partial block is skipped."""
     if block_size <= 0:
         raise ValueError(f"block_size={block_size}: must be positive")
     hashes: list[bytes] = []
-    parent: bytes | None = None
+    parent: bytes | None = salt_root(salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, hash_block_tokens
+from engine.block_pool import BlockPool, hash_block_tokens, salt_root
 
 
 class KVCacheManager:
@@ -34,8 +34,9 @@ class KVCacheManager:
 
     # -- prefix cache -----------------------------------------------------------------
 
-    def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def get_computed_blocks(self, token_ids: Sequence[int], salt: str = "") -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute.
+        `salt`: only blocks cached under the same salt match (engine/block_pool.salt_root).
 
         Returns (block_ids, num_cached_tokens). Reference counts are not changed; pass
         block_ids to allocate_slots to take them.
@@ -44,7 +45,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             # At least one token must be computed to produce logits for the next token.
             max_blocks = max(len(token_ids) - 1, 0) // self.block_size
-            parent: bytes | None = None
+            parent = salt_root(salt)
             for i in range(max_blocks):
                 parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block_id = self.pool.lookup(parent)
@@ -56,15 +57,17 @@ class KVCacheManager:
         self._hit_tokens += num_cached_tokens
         return blocks, num_cached_tokens
 
-    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+    def num_cached_tokens(self, token_ids: Sequence[int], salt: str = "") -> int:
         """What get_computed_blocks would find now, without counting it in the hit-rate stat."""
         queries, hits = self._query_tokens, self._hit_tokens
-        _, num_cached = self.get_computed_blocks(token_ids)
+        _, num_cached = self.get_computed_blocks(token_ids, salt)
         self._query_tokens, self._hit_tokens = queries, hits
         return num_cached
 
-    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Make every full, computed block of the request findable by its chained hash.
+    def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                     salt: str = "") -> None:
+        """Make every full, computed block of the request findable by its chained hash
+        (under `salt`, the request's own, as given to get_computed_blocks).
 
         Incremental: blocks hashed by an earlier call are skipped.
         """
@@ -75,7 +78,7 @@ class KVCacheManager:
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
         if num_full > len(table):
             raise ValueError(f"request {request_id}: {num_full} full blocks but only {len(table)} allocated")
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else salt_root(salt)
         for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache_block(table[i], parent)

@@ -81,13 +81,14 @@ class LLMEngine:
         return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False) -> None:
+                    priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False,
+                    cache_salt: str = "") -> None:
         """Queue a request. remote_prefill: reserve blocks for KV written by a prefill worker
         (see take_remote_prefills); hold_blocks: keep its blocks after it finishes until
         scheduler.release() (a prefill worker pushing them). Raises RequestRejected (see
         check_token_ids, and the scheduler's own limits)."""
         self.check_token_ids(request_id, prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority)
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority, cache_salt)
         seq.remote_prefill = remote_prefill
         seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)

@@ -169,7 +169,7 @@ class Scheduler:
             return None
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.remote_prefill = False  # a later preemption recomputes here (prompt and output)
-        self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens)
+        self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         seq.append_token(first_token)
         reason = self._finish_reason(seq, first_token)
         if reason is None:
@@ -257,7 +257,7 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            cached_blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids)
+            cached_blocks, num_cached = self.kv.get_computed_blocks(seq.token_ids, seq.cache_salt)
             if seq.remote_prefill:  # reserve the whole prompt; no compute here
                 table = self.kv.allocate_slots(seq.request_id, seq.num_tokens, cached_blocks)
                 if table is None:
@@ -308,7 +308,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_new
-            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
             if not chunk.sample:
                 continue
             token = sampled[seq.request_id]

@@ -32,6 +32,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower runs first (and is preempted last)
+    cache_salt: str = ""  # prefix-cache hits only among requests with the same salt (the tenant)
     arrival: int = 0  # order of arrival, set by the scheduler
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -261,8 +261,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         params = _params(body, len(prompt))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        salt = tenant.cache_salt(body.cache_salt)
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
-                                 prefill_workers=router.rank_prefill(prompt))
+                                 prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
         started = time.monotonic()
         cost = len(prompt) + params.max_tokens
         try:

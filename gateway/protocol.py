@@ -39,6 +39,8 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
     ignore_eos: bool = False  # vendor extra (vLLM has it too): generate exactly max_tokens, for benchmarks
+    # vendor extra (vLLM has it too): prefix-cache hits only among requests with the same salt
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -76,12 +76,15 @@ class Router:
     def has_other_decode(self, worker: WorkerState) -> bool:
         return any(w is not worker for w in self.decode)
 
-    def rank_prefill(self, prompt: list[int]) -> list[str]:
-        """Prefill workers, the prompt's favourite first (healthy ones only)."""
+    def rank_prefill(self, prompt: list[int], cache_salt: str = "") -> list[str]:
+        """Prefill workers, the prompt's favourite first (healthy ones only). The affinity key
+        is the prompt's first block hashes under the request's cache salt: the same blocks
+        the worker's prefix cache would find."""
         live = [w for w in self.prefill if w.healthy]
         if not live:
             return []
-        key = b"".join(block_hashes(prompt, self.block_size)[:AFFINITY_BLOCKS]) or bytes(str(prompt[:8]), "ascii")
+        key = (b"".join(block_hashes(prompt, self.block_size, cache_salt)[:AFFINITY_BLOCKS])
+               or bytes(f"{cache_salt}{prompt[:8]}", "utf-8"))
         ranked = sorted(live, key=lambda w: _score(key, w.address), reverse=True)
         least = min(ranked, key=lambda w: w.waiting_tokens)
         if ranked[0].waiting_tokens - least.waiting_tokens > OVERLOAD_TOKENS:

@@ -20,6 +20,9 @@ class Tenant:
     max_concurrent: int = 64
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of this tenant's requests in flight
     priority: int = 0  # lower runs first on the workers
+    # False (default): this tenant's prompts hit only its own prefix cache entries, so no
+    # other tenant can learn, from cached_tokens or latency, what its prompts begin with.
+    share_prefix_cache: bool = False
     in_flight: int = 0
     queued_tokens: int = 0
 
@@ -33,6 +36,12 @@ class Tenant:
         self.in_flight += 1
         self.queued_tokens += tokens
 
+    def cache_salt(self, requested: str | None) -> str:
+        """The prefix-cache salt of one request: the tenant's name (unless it shares its
+        cache), joined with the client's own `cache_salt` if it sent one."""
+        own = "" if self.share_prefix_cache else f"tenant:{self.name}"
+        return "/".join(part for part in (own, requested or "") if part)
+
     def release(self, tokens: int) -> None:
         self.in_flight -= 1
         self.queued_tokens -= tokens
@@ -41,7 +50,8 @@ class Tenant:
 @dataclass
 class Tenants:
     by_key: dict[str, Tenant] = field(default_factory=dict)
-    anonymous: Tenant = field(default_factory=lambda: Tenant("anonymous"))
+    # Open mode: one trust domain, one shared cache (a client may still send a cache_salt).
+    anonymous: Tenant = field(default_factory=lambda: Tenant("anonymous", share_prefix_cache=True))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:

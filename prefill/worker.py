@@ -85,7 +85,8 @@ class PrefillWorker(EngineLoop):
         if peer != dest.agent_name:
             raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {peer!r}")
         # The first token is sampled here with the request's own parameters; decoding goes on there.
-        self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True)
+        self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,
+                                cache_salt=req.cache_salt)
         self.pusher.start(rid, peer, timeout_s)
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,

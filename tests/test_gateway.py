@@ -310,6 +310,26 @@ def tenant_gateway(system, smollm2_dir, tmp_path_factory):
     assert b"key-a" not in (folder / "gateway.log").read_bytes()  # keys are never logged
 
 
+def test_one_tenants_prefix_cache_is_invisible_to_another(tenant_gateway):
+    """Tenant a's prompt is cached for a (its second send reports cached tokens), but tenant
+    b sending the very same prompt finds nothing: b cannot probe what a's prompts began with.
+    A client's own cache_salt splits its tenant's cache further."""
+    url = tenant_gateway
+    prompt = "The lighthouse keeper counted the ships that passed in the night. " * 6  # several full blocks
+
+    def cached(key: str, **extra) -> int:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    cached("key-a")
+    assert cached("key-a") > 0  # a hits its own cache
+    assert cached("key-b") == 0  # the same prompt, another tenant: no hit
+    assert cached("key-b") > 0  # b's own send is now cached for b
+    assert cached("key-a", cache_salt="session-1") == 0  # a's client split its cache
+
+
 def test_api_keys_and_tenant_isolation(tenant_gateway):
     url = tenant_gateway
     body = {"model": "smollm2", "messages": CHAT, "max_tokens": 4, "temperature": 0}

@@ -32,6 +32,20 @@ def test_hit_leaves_at_least_one_token_to_compute():
     assert kv.get_computed_blocks([0, 1, 2, 3, 99, 5, 6, 7, 8]) == (a[:1], 4)  # chain stops at a miss
 
 
+def test_a_salted_prefix_is_found_only_under_the_same_salt():
+    kv = KVCacheManager(16, 4)
+    tokens = list(range(13))
+    computed, _ = kv.get_computed_blocks(tokens, "tenant:a")
+    table = kv.allocate_slots("a", len(tokens), computed)
+    kv.cache_blocks("a", tokens, len(tokens), "tenant:a")
+    assert kv.get_computed_blocks(tokens, "tenant:a") == (table[:3], 12)
+    assert kv.get_computed_blocks(tokens, "tenant:b") == ([], 0)
+    assert kv.get_computed_blocks(tokens) == ([], 0)  # unsalted is its own space too
+    assert kv.num_cached_tokens(tokens, "tenant:a") == 12 and kv.num_cached_tokens(tokens) == 0
+    assert block_hashes(tokens, 4, "tenant:a") == [kv.pool.block_hash(b) for b in table[:3]]  # the router's key
+    assert block_hashes(tokens, 4) != block_hashes(tokens, 4, "tenant:a")
+
+
 def test_shared_prefix_refcounts():
     kv = KVCacheManager(8, 2)
     a = run_prefill(kv, "a", [1, 2, 3, 4, 5])

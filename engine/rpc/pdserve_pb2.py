@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ngine/rpc/pdserve.proto\x12\npdserve.v1\"\xe8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"Q\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdserve.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"X\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\x96\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x05 \x03(\t\"\xed\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Error\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"Q\n\rKVDestination\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x1c\n\x14\x64\x65\x63ode_transfer_info\x18\x06 \x01(\x0c\"\xbf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13TransferInfoRequest\"$\n\x14TransferInfoResponse\x12\x0c\n\x04info\x18\x01 \x01(\x0c\"\x1d\n\rHealthRequest\x12\x0c\n\x04\x64\x65\x65p\x18\x01 \x01(\x08\"\xa2\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12\x0c\n\x04\x62usy\x18\x04 \x01(\x08\x12\x17\n\x0flast_step_age_s\x18\x05 \x01(\x01\x12\x15\n\rstall_bound_s\x18\x06 \x01(\x01\x12\x16\n\x0elongest_step_s\x18\x07 \x01(\x01\x12\x0e\n\x06queued\x18\x08 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xc6\x02\n\rStatsResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x1d\n\x15kv_blocks_transferred\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1c\n\x14prefill_tokens_per_s\x18\x0c \x01(\x01\x12\x13\n\x0b\x64\x65\x65p_probes\x18\r \x01(\x03*\x89\x01\n\tErrorCode\x12\x0e\n\nERROR_NONE\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0e\n\nOVERLOADED\x10\x02\x12\x12\n\x0ePREFILL_FAILED\x10\x03\x12\x16\n\x12KV_TRANSFER_FAILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06*K\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xa9\x02\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cTransferInfo\x12\x1f.pdserve.v1.TransferInfoRequest\x1a .pdserve.v1.TransferInfoResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse2\xe3\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cTransferInfo\x12\x1f.pdserve.v1.TransferInfoRequest\x1a .pdserve.v1.TransferInfoResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x65ngine/rpc/pdserve.proto\x12\npdserve.v1\"\xe8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12=\n\nlogit_bias\x18\x08 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\x04seed\x18\t \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x15\n\x08logprobs\x18\r \x01(\x05H\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"Q\n\x05\x45rror\x12#\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x15.pdserve.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"X\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x04 \x01(\x01\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\"\xaa\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x17\n\x0fprefill_workers\x18\x05 \x03(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\xed\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05\x65rror\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Error\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\"Q\n\rKVDestination\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"\xde\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12.\n\x0b\x64\x65stination\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.KVDestination\x12\x1c\n\x14\x64\x65\x63ode_transfer_info\x18\x06 \x01(\x0c\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xbf\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13TransferInfoRequest\"$\n\x14TransferInfoResponse\x12\x0c\n\x04info\x18\x01 \x01(\x0c\"\x1d\n\rHealthRequest\x12\x0c\n\x04\x64\x65\x65p\x18\x01 \x01(\x08\"\xa2\x01\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12\x0c\n\x04\x62usy\x18\x04 \x01(\x08\x12\x17\n\x0flast_step_age_s\x18\x05 \x01(\x01\x12\x15\n\rstall_bound_s\x18\x06 \x01(\x01\x12\x16\n\x0elongest_step_s\x18\x07 \x01(\x01\x12\x0e\n\x06queued\x18\x08 \x01(\x05\"\x0e\n\x0cStatsRequest\"\xc6\x02\n\rStatsResponse\x12\x0e\n\x06worker\x18\x01 \x01(\t\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ewaiting_tokens\x18\x03 \x01(\x03\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x1d\n\x15prefix_cache_hit_rate\x18\x07 \x01(\x01\x12\x14\n\x0cstep_seconds\x18\x08 \x01(\x01\x12\x13\n\x0bpreemptions\x18\t \x01(\x03\x12\x1d\n\x15kv_blocks_transferred\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1c\n\x14prefill_tokens_per_s\x18\x0c \x01(\x01\x12\x13\n\x0b\x64\x65\x65p_probes\x18\r \x01(\x03*\x89\x01\n\tErrorCode\x12\x0e\n\nERROR_NONE\x10\x00\x12\x13\n\x0fINVALID_REQUEST\x10\x01\x12\x0e\n\nOVERLOADED\x10\x02\x12\x12\n\x0ePREFILL_FAILED\x10\x03\x12\x16\n\x12KV_TRANSFER_FAILED\x10\x04\x12\r\n\tCANCELLED\x10\x05\x12\x0c\n\x08INTERNAL\x10\x06*K\n\x0c\x46inishReason\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x08\n\x04STOP\x10\x01\x12\n\n\x06LENGTH\x10\x02\x12\t\n\x05\x41\x42ORT\x10\x03\x12\t\n\x05\x45RROR\x10\x04\x32\xa9\x02\n\x0c\x44\x65\x63odeWorker\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cTransferInfo\x12\x1f.pdserve.v1.TransferInfoRequest\x1a .pdserve.v1.TransferInfoResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse2\xe3\x02\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12Q\n\x0cTransferInfo\x12\x1f.pdserve.v1.TransferInfoRequest\x1a .pdserve.v1.TransferInfoResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=2436
-  _globals['_ERRORCODE']._serialized_end=2573
-  _globals['_FINISHREASON']._serialized_start=2575
-  _globals['_FINISHREASON']._serialized_end=2650
+  _globals['_ERRORCODE']._serialized_start=2476
+  _globals['_ERRORCODE']._serialized_end=2613
+  _globals['_FINISHREASON']._serialized_start=2615
+  _globals['_FINISHREASON']._serialized_end=2690
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=529
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=395
@@ -50,33 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=801
   _globals['_USAGE']._serialized_end=888
   _globals['_GENERATEREQUEST']._serialized_start=891
-  _globals['_GENERATEREQUEST']._serialized_end=1041
-  _globals['_GENERATERESPONSE']._serialized_start=1044
-  _globals['_GENERATERESPONSE']._serialized_end=1281
-  _globals['_KVDESTINATION']._serialized_start=1283
-  _globals['_KVDESTINATION']._serialized_end=1364
-  _globals['_PREFILLREQUEST']._serialized_start=1367
-  _globals['_PREFILLREQUEST']._serialized_end=1569
-  _globals['_PREFILLRESPONSE']._serialized_start=1572
-  _globals['_PREFILLRESPONSE']._serialized_end=1763
-  _globals['_ABORTREQUEST']._serialized_start=1765
-  _globals['_ABORTREQUEST']._serialized_end=1799
-  _globals['_ABORTRESPONSE']._serialized_start=1801
-  _globals['_ABORTRESPONSE']._serialized_end=1831
-  _globals['_TRANSFERINFOREQUEST']._serialized_start=1833
-  _globals['_TRANSFERINFOREQUEST']._serialized_end=1854
-  _globals['_TRANSFERINFORESPONSE']._serialized_start=1856
-  _globals['_TRANSFERINFORESPONSE']._serialized_end=1892
-  _globals['_HEALTHREQUEST']._serialized_start=1894
-  _globals['_HEALTHREQUEST']._serialized_end=1923
-  _globals['_HEALTHRESPONSE']._serialized_start=1926
-  _globals['_HEALTHRESPONSE']._serialized_end=2088
-  _globals['_STATSREQUEST']._serialized_start=2090
-  _globals['_STATSREQUEST']._serialized_end=2104
-  _globals['_STATSRESPONSE']._serialized_start=2107
-  _globals['_STATSRESPONSE']._serialized_end=2433
-  _globals['_DECODEWORKER']._serialized_start=2653
-  _globals['_DECODEWORKER']._serialized_end=2950
-  _globals['_PREFILLWORKER']._serialized_start=2953
-  _globals['_PREFILLWORKER']._serialized_end=3308
+  _globals['_GENERATEREQUEST']._serialized_end=1061
+  _globals['_GENERATERESPONSE']._serialized_start=1064
+  _globals['_GENERATERESPONSE']._serialized_end=1301
+  _globals['_KVDESTINATION']._serialized_start=1303
+  _globals['_KVDESTINATION']._serialized_end=1384
+  _globals['_PREFILLREQUEST']._serialized_start=1387
+  _globals['_PREFILLREQUEST']._serialized_end=1609
+  _globals['_PREFILLRESPONSE']._serialized_start=1612
+  _globals['_PREFILLRESPONSE']._serialized_end=1803
+  _globals['_ABORTREQUEST']._serialized_start=1805
+  _globals['_ABORTREQUEST']._serialized_end=1839
+  _globals['_ABORTRESPONSE']._serialized_start=1841
+  _globals['_ABORTRESPONSE']._serialized_end=1871
+  _globals['_TRANSFERINFOREQUEST']._serialized_start=1873
+  _globals['_TRANSFERINFOREQUEST']._serialized_end=1894
+  _globals['_TRANSFERINFORESPONSE']._serialized_start=1896
+  _globals['_TRANSFERINFORESPONSE']._serialized_end=1932
+  _globals['_HEALTHREQUEST']._serialized_start=1934
+  _globals['_HEALTHREQUEST']._serialized_end=1963
+  _globals['_HEALTHRESPONSE']._serialized_start=1966
+  _globals['_HEALTHRESPONSE']._serialized_end=2128
+  _globals['_STATSREQUEST']._serialized_start=2130
+  _globals['_STATSREQUEST']._serialized_end=2144
+  _globals['_STATSRESPONSE']._serialized_start=2147
+  _globals['_STATSRESPONSE']._serialized_end=2473
+  _globals['_DECODEWORKER']._serialized_start=2693
+  _globals['_DECODEWORKER']._serialized_end=2990
+  _globals['_PREFILLWORKER']._serialized_start=2993
+  _globals['_PREFILLWORKER']._serialized_end=3348
 # @@protoc_insertion_point(module_scope)
