@@ -81,9 +81,16 @@ class PrefillWorker(EngineLoop):
         if len(dest.block_ids) != num_blocks - skip:
             raise ValueError(f"request {rid}: {len(dest.block_ids)} destination blocks for {num_blocks - skip} "
                              f"uncached prompt blocks")
-        peer = self.agent.add_peer(TransferInfo.from_bytes(req.decode_transfer_info))
-        if peer != dest.agent_name:
-            raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {peer!r}")
+        info = TransferInfo.from_bytes(req.decode_transfer_info)
+        if info.agent_name != dest.agent_name:
+            raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {info.agent_name!r}")
+        pool = info.layout.num_blocks  # writes go only where the peer's pool has blocks, each once
+        bad = next((b for b in dest.block_ids if not 0 <= b < pool), None)
+        if bad is not None:
+            raise ValueError(f"request {rid}: destination block {bad} is outside {dest.agent_name}'s pool of {pool}")
+        if len(set(dest.block_ids)) != len(dest.block_ids):
+            raise ValueError(f"request {rid}: destination blocks repeat")
+        peer = self.agent.add_peer(info)
         # The first token is sampled here with the request's own parameters; decoding goes on there.
         self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,
                                 cache_salt=req.cache_salt)

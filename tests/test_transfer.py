@@ -448,6 +448,10 @@ def _edited(edit) -> bytes:
     (_edited(lambda d: d.update(agent_metadata="not base64!")), "malformed"),
     (_edited(lambda d: d.update(agent_name="nodashes")), "nodashes"),
     (_edited(lambda d: d.update(agent_name=5)), "malformed"),
+    # num_blocks is outside the compatibility hash (pools differ in size), so only a bound stops
+    # a claimed billion blocks from becoming a descriptor table of tens of GB
+    (_edited(lambda d: d["layout"].update(num_blocks=10**9)), "num_blocks=1000000000: must be an integer in"),
+    (_edited(lambda d: d["layout"].update(num_blocks=0)), "num_blocks=0"),
     (b"not json at all", "malformed"),
     (b"\xff\xfe\x00", "malformed"),
     (b"[1, 2, 3]", "malformed"),

@@ -42,7 +42,8 @@ def _prefill_worker(engine: LLMEngine, monkeypatch) -> tuple[prefill_worker.Pref
     """A PrefillWorker over the fake NIXL, whose only peer is decode-0-1 (no handshake)."""
     agent = fake_agent()
     monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
-    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: None))
+    peer = SimpleNamespace(agent_name="decode-0-1", layout=SimpleNamespace(num_blocks=64))
+    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: peer))
     return prefill_worker.PrefillWorker(engine, agent), agent
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import os
 import random
 import subprocess
@@ -503,6 +504,22 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_batch_goes_on(work
     direct = p.stub.Prefill(pb.PrefillRequest(request_id=f"bad-{what}-p", prompt_token_ids=prompt, params=sp),
                             timeout=10)
     assert direct.error.code == pb.INVALID_REQUEST and what in direct.error.message, direct
+    assert_idle(d, p)
+
+
+def test_a_prefill_into_blocks_the_destination_does_not_have_is_refused(workers):
+    """P writes only where D's pool has blocks, each block once: a caller with the internal
+    token naming block ids past D's pool (or one twice) gets INVALID_REQUEST, and no write."""
+    d, p = workers.d, workers.p
+    info = d.stub.TransferInfo(pb.TransferInfoRequest(), timeout=10).info
+    name = json.loads(info)["agent_name"]
+    sp = pb.SamplingParams(temperature=0, max_tokens=1)
+    for blocks, words in (([KV_BLOCKS + 5, 1, 2], "outside"), ([3, 3, 4], "repeat")):
+        req = pb.PrefillRequest(request_id=f"forged-{words}", prompt_token_ids=list(range(5, 5 + 3 * BLOCK)),
+                                params=sp, destination=pb.KVDestination(agent_name=name, block_ids=blocks),
+                                decode_transfer_info=info)
+        reply = p.stub.Prefill(req, timeout=30)
+        assert reply.error.code == pb.INVALID_REQUEST and words in reply.error.message, reply
     assert_idle(d, p)
 
 

@@ -18,6 +18,7 @@ from transfer.layout import KVLayout, region_table
 from transfer.messages import Notification, decode
 
 log = logging.getLogger(__name__)
+MAX_PEERS = 1024  # distinct workers a pool talks to; a restarted one replaces its older incarnation
 
 
 class UnknownPeerError(KeyError):
@@ -68,6 +69,8 @@ class TransferAgent:
         if info.agent_name in self.peers:
             return info.agent_name
         check_compatible(self.info_without_metadata(), info)
+        if len(self.peers) >= MAX_PEERS and not any(p.info.worker_key == info.worker_key for p in self.peers.values()):
+            raise HandshakeError(f"{info.agent_name}: {MAX_PEERS} peers already; a deployment has fewer workers")
         same_worker = [p for p in self.peers.values() if p.info.worker_key == info.worker_key]
         incarnation = parse_agent_name(info.agent_name)[2]
         for known in same_worker:  # late info from before a restart must not replace the restarted worker

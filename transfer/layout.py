@@ -22,6 +22,12 @@ LAYOUT_NAME = "block-major/v1"  # [num_blocks, num_layers, 2, block_size, kv_hea
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 
+# Bounds on a layout read from a peer's handshake: its descriptor table is built from it
+# (a claimed billion blocks would allocate tens of GB), so it must stay near real pools.
+MAX_LAYOUT_DIM = 1 << 24
+MAX_REGIONS = 1 << 24  # 16M descriptors: 256 GiB of 16 KiB regions
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one worker's KV pool, as published in its handshake."""
@@ -35,6 +41,13 @@ class KVLayout:
     regions_per_block: int = 1  # descriptor granularity: 1, num_layers or 2 * num_layers
 
     def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 1 <= value <= MAX_LAYOUT_DIM:
+                raise ValueError(f"{name}={value!r}: must be an integer in 1..{MAX_LAYOUT_DIM}")
+        if self.num_blocks * self.regions_per_block > MAX_REGIONS:
+            raise ValueError(f"{self.num_blocks} blocks x {self.regions_per_block} regions: more than the "
+                             f"{MAX_REGIONS} descriptors a peer will prepare for one pool")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} not supported for transfer; use one of {sorted(DTYPE_BYTES)}")
         if self.regions_per_block not in (1, self.num_layers, 2 * self.num_layers):
