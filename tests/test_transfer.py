@@ -620,6 +620,21 @@ def test_receiver_matches_notifications_to_expectations():
     assert receiver.poll() == [ReceiveEvent("a", ReceiveStatus.ABORTED, "prefill-1-1", 0)]
 
 
+def test_unexpected_notifications_are_bounded(monkeypatch):
+    """Any agent that reaches this one can send notifications for ids nobody expects: they
+    are kept (one may be early) but never more than the bound, the oldest dropped first."""
+    import transfer.receive as receive
+
+    monkeypatch.setattr(receive, "MAX_EARLY_NOTIFICATIONS", 100)
+    agent = fake_agent()
+    agent.nixl.incoming = {"prefill-9-1": [f"pdkv/1 done flood-{i} 1".encode() for i in range(1000)]}
+    receiver = KVReceiver(agent)
+    assert receiver.poll() == []
+    assert len(receiver._early) == 100 and "flood-999" in receiver._early and "flood-0" not in receiver._early
+    receiver.expect("flood-950", "prefill-9-1")
+    assert receiver.poll() == [ReceiveEvent("flood-950", ReceiveStatus.COMPLETE, "prefill-9-1", 1)]
+
+
 def test_agent_poll_notifications_skips_foreign_messages():
     agent = fake_agent()
     agent.nixl.incoming = {b"decode-0-1": [b"pdkv/1 abort r 0", b"hello", b"pdkv/9 done r 1"]}

@@ -21,6 +21,9 @@ from transfer.messages import NotifKind, Notification
 log = logging.getLogger(__name__)
 
 _EARLY_NOTIFICATION_TTL_S = 600.0
+# Notifications nobody expects yet, kept at most this many (the oldest go first): any agent
+# that reaches this one can send them, so they must not pile up without bound.
+MAX_EARLY_NOTIFICATIONS = 4096
 
 
 class ReceiveStatus(enum.Enum):
@@ -64,7 +67,13 @@ class KVReceiver:
         which a writer's completion waits on; cheap enough to call often, e.g. during a step."""
         now = time.monotonic()
         for notif in self.agent.poll_notifications():
+            self._early.pop(notif.request_id, None)  # re-inserted last: the dict's order is arrival order
             self._early[notif.request_id] = (notif, now)
+            if len(self._early) > MAX_EARLY_NOTIFICATIONS:
+                oldest = next(iter(self._early))
+                del self._early[oldest]
+                log.warning("more than %d unexpected KV notifications; dropped the oldest (request %s)",
+                            MAX_EARLY_NOTIFICATIONS, oldest)
 
     def poll(self) -> list[ReceiveEvent]:
         now = time.monotonic()
