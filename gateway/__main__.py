@@ -38,6 +38,10 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="longer prompts get 413 (default: the context limit)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    ap.add_argument("--max-connections", type=int, default=1024,
+                    help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
+    ap.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a client may pause while sending its body before a 408")
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
                     help="serve without API keys on a non-loopback address: anyone who reaches it can use it")
     args = ap.parse_args()
@@ -59,9 +63,12 @@ def main() -> None:
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
-                           max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes)
+                           max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
+                           body_timeout_s=args.body_timeout)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info")
+    # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11).
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
+                limit_concurrency=args.max_connections, timeout_keep_alive=5, h11_max_incomplete_event_size=16384)
 
 
 if __name__ == "__main__":

@@ -106,22 +106,31 @@ class Admission:
         requests_s, tokens_s = self.rates()
         return max((self.queued_requests + 1) / requests_s, self.queued_tokens / tokens_s)
 
+    def check(self) -> None:
+        """429 now if a request would be shed whatever its prompt (the wait predicted for it
+        is for what is queued ahead): called before its prompt is tokenized, so an overload
+        costs the gateway no tokenization of requests it refuses anyway."""
+        self._shed_if_late()
+
     def admit(self, prompt_tokens: int, kv_room: bool = True) -> Ticket:
         if not kv_room:
             raise APIError(429, f"overloaded: no decode worker has KV cache room for {prompt_tokens} prompt tokens "
                                 "now; retry later", code="overloaded", headers={"Retry-After": "1"})
-        if self.max_ttft_s is not None and self.queued_requests > 0:  # nothing waiting: nothing to shed for
-            predicted = self.predicted_ttft(prompt_tokens)
-            if predicted > self.headroom * self.max_ttft_s:
-                wait = max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
-                raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
-                                    f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
-                               headers={"Retry-After": str(wait)})
+        self._shed_if_late()
         ticket = Ticket(prompt_tokens, self._tick())
         self._admitted = (self._admitted[0] + 1, self._admitted[1] + prompt_tokens)
         self._queued.add(ticket)
         self.queued_tokens += prompt_tokens
         return ticket
+
+    def _shed_if_late(self) -> None:
+        if self.max_ttft_s is not None and self.queued_requests > 0:  # nothing waiting: nothing to shed for
+            predicted = self.predicted_ttft(0)
+            if predicted > self.headroom * self.max_ttft_s:
+                wait = max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
+                raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
+                                    f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
+                               headers={"Retry-After": str(wait)})
 
     def first_token(self, ticket: Ticket, served: bool = True) -> None:
         """The request got its first token (`served`), or failed before one: it waits no more.

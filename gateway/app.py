@@ -50,6 +50,7 @@ class GatewayConfig:
     prefill: list[str] = field(default_factory=list)
     max_model_len: int = 8192
     request_timeout_s: float = 600.0
+    body_timeout_s: float = 30.0  # a client pausing longer while sending its body gets 408
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # default: the context limit
     tenants: Tenants = field(default_factory=Tenants)
@@ -127,7 +128,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, authenticate=config.tenants.authenticate)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, authenticate=config.tenants.authenticate,
+                       body_timeout_s=config.body_timeout_s)
 
     @app.get("/health")
     async def health() -> dict:
@@ -184,6 +186,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if len(messages) > _max_prompt():  # each message is a token at least: no need to render them
             raise APIError(413, f"{len(messages)} messages cannot fit in this model's limit of {_max_prompt()} "
                                 "prompt tokens", "messages")
+        _shed_before_tokenizing(tenant, "chat")
         try:
             prompt = await asyncio.to_thread(_chat_ids, messages)
         except ChatTemplateError as e:
@@ -196,6 +199,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
+        _shed_before_tokenizing(tenant, "completions")
         if isinstance(body.prompt, str):
             try:
                 prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
@@ -206,6 +210,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
         return await _serve("completion", body, prompt, tenant, request)
+
+    def _shed_before_tokenizing(tenant, endpoint: str) -> None:
+        """What would be refused whatever the prompt is refused before the prompt is
+        tokenized (up to a megabyte of text): a tenant at its concurrency limit, an overload."""
+        try:
+            tenant.check_concurrency()
+            admission.check()
+        except APIError as e:
+            REQUESTS.labels(endpoint, "429").inc()
+            raise
 
     def _chat_ids(messages: list[dict]) -> list[int]:
         return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)

@@ -8,16 +8,24 @@ from the endpoint (Request.is_disconnected).
 - A body declared over the limit (`Content-Length`) gets 413 at once; a body without one
   (chunked transfer encoding) is counted as it arrives, and 413 comes as soon as the count
   passes the limit, so no body larger than the limit is ever held or parsed.
+- A client that stops sending its body for `body_timeout_s` gets 408 and its connection
+  back: half-sent requests do not hold the gateway's connections open.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 
 from gateway.errors import APIError, error_body
+
+
+class BodyTimeout(HTTPException):
+    def __init__(self, seconds: float):
+        super().__init__(408, f"request body not received within {seconds:g}s")
 
 
 class BodyTooLarge(HTTPException):
@@ -28,8 +36,10 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int, authenticate: Callable[[str | None], object] | None = None):
+    def __init__(self, app, max_bytes: int, authenticate: Callable[[str | None], object] | None = None,
+                 body_timeout_s: float = 30.0):
         self.app, self.max_bytes, self.authenticate = app, max_bytes, authenticate
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -48,14 +58,21 @@ class BodyLimit:
             return
         received = 0
         started = False
+        body_done = False
 
         async def counted_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # later receives wait for the client to leave (streaming): no timeout
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     raise BodyTooLarge(self.max_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         async def watched_send(message):
@@ -65,9 +82,9 @@ class BodyLimit:
 
         try:
             await self.app(scope, counted_receive, watched_send)
-        except BodyTooLarge:  # read outside FastAPI's body parsing (nothing answered it)
+        except (BodyTooLarge, BodyTimeout) as e:  # read outside FastAPI's body parsing (nothing answered it)
             if not started:
-                await self._too_large(scope, receive, send)
+                await JSONResponse(error_body(e.status_code, e.detail), e.status_code)(scope, receive, send)
 
     async def _too_large(self, scope, receive, send) -> None:
         await JSONResponse(error_body(413, f"request body over {self.max_bytes} bytes"), 413)(scope, receive, send)

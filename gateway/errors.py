@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 408: "invalid_request_error",
           413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
 
 

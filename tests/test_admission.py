@@ -142,3 +142,16 @@ def test_a_slow_host_starts_from_its_own_measured_speed_not_the_fixed_priors():
     assert adm.priors()[0] == pytest.approx(1 / per_token_s / prompt)  # per request: the mean prompt admitted
     adm.observe_capacity(0.0)  # nothing reported: the fixed priors again
     assert adm.priors() == adm.prior
+
+
+def test_an_overload_is_refused_before_the_prompt_is_known():
+    """check() sheds on what is queued ahead, before the gateway tokenizes the prompt."""
+    clock = Clock()
+    adm = Admission(max_ttft_s=10.0, clock=clock)
+    adm.check()  # nothing queued: never shed
+    adm.observe_capacity(100.0)  # a slow system: 100 prompt tokens per second, 0.5 requests of 200
+    for _ in range(3):
+        adm.admit(200)  # each predicted within 75% of the bound when it came (2, 4 and 6 s)
+    with pytest.raises(APIError) as e:  # a fourth would wait 8 s, whatever its own prompt
+        adm.check()
+    assert e.value.status == 429 and int(e.value.headers["Retry-After"]) >= 1

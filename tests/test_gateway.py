@@ -259,6 +259,19 @@ def test_a_chunked_body_is_counted_as_it_arrives_and_refused_past_the_limit(syst
         assert small.startswith(b"HTTP/1.1 200"), small[:300]
 
 
+def test_a_client_that_stops_sending_its_body_gets_408(system, smollm2_dir, tmp_path):
+    """A half-sent body does not hold a connection open: past --body-timeout without a byte,
+    408 and the connection back; a client that keeps sending is served."""
+    _, prefill, decode = system
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
+                 "--body-timeout", "1") as url:
+        answer = _raw_post(url, {}, [b'{"model": "smollm2", '], finish=False)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"not received within 1s" in answer
+        ok = _raw_post(url, {}, [b'{"model": "smollm2", "prompt": "Hi", ', b'"max_tokens": 2}'], finish=True)
+        assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
+
+
 def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant_gateway):
     """With API keys, a POST to the API gets 401 from its headers alone: a client that never
     finishes its body (or sends a huge one) gets its answer all the same."""
