@@ -30,6 +30,8 @@ def _limit_probes() -> list[tuple[str, bytes]]:
         ("max_tokens 10**12", js({**base, "max_tokens": 10**12})),
         ("max_tokens 0", js({**base, "max_tokens": 0})),
         ("10k stop strings", js({**base, "stop": ["x"] * 10_000})),
+        ("a 60k-character stop string", js({**base, "stop": "x" * 60_000})),
+        ("stop strings of 512 characters, 16 of them", js({**base, "max_tokens": 64, "stop": ["y" * 512] * 16})),
         ("10k logit_bias entries", js({**base, "logit_bias": {str(i): 1 for i in range(10_000)}})),
         ("logit_bias key 10**30", js({**base, "logit_bias": {str(10**30): 1}})),
         ("seed 10**400", b'{"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "seed": 1' + b"0" * 400 + b"}"),
@@ -126,6 +128,33 @@ def fuzz(url: str, examples: int, seed: int) -> tuple[Counter, list[str]]:
     return statuses, bad
 
 
+def chunked_oversize(url: str) -> tuple[int | None, str]:
+    """A 2 MiB body sent chunked (no Content-Length, so the limit must be counted as it
+    arrives): the status, and the answer."""
+    def body():
+        yield b'{"model": "smollm2", "max_tokens": 2, "prompt": "'
+        for _ in range(32):
+            yield b"a " * 32768  # 64 KiB a chunk
+        yield b'"}'
+    try:
+        r = httpx.post(f"{url}/v1/completions", content=body(), headers={"Content-Type": "application/json"},
+                       timeout=CLIENT_TIMEOUT_S)
+        return r.status_code, r.text
+    except httpx.HTTPError as e:  # the server answered 413 and closed before taking the rest: fine
+        return (413, repr(e)) if "413" in repr(e) else (None, repr(e))
+
+
+async def ready_flood(url: str, n: int) -> Counter:
+    """`n` GETs of /ready and of /metrics at once: open routes, so they must not amplify."""
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=100)) as http:
+        async def one(path: str):
+            try:
+                return (await http.get(f"{url}/{path}")).status_code
+            except httpx.HTTPError:
+                return None
+        return Counter(await asyncio.gather(*(one(p) for _ in range(n) for p in ("ready", "metrics"))))
+
+
 async def half_read(url: str, rng: random.Random) -> None:
     """A raw connection that stops halfway: through sending its body, or through reading the
     SSE stream, then closes."""
@@ -156,13 +185,21 @@ async def abuse(ctx: Chaos) -> Result:
     """Fuzzed requests, limit probes, SSE reads that stop halfway and a burst past the
     tenant's concurrent-stream limit: no 5xx, the gateway alive, its memory flat."""
     res, dep, s, rng = Result("abuse", no_5xx=True), ctx.dep, ctx.sizes, ctx.rng
+    incarnations = {(w["role"], w["worker_id"]): w["incarnation"] for w in await asyncio.to_thread(dep.workers)}
     gateway = await asyncio.to_thread(dep.gateway)
     rss = [gateway.memory_info().rss / 2**20]
-    statuses, bad, burst = Counter(), [], []
+    statuses, bad, burst, flooded = Counter(), [], [], Counter()
     for _ in range(s.abuse_rounds):
         round_statuses, round_bad = await asyncio.to_thread(fuzz, dep.url, s.fuzz_examples, rng.randrange(2**32))
         statuses.update(round_statuses)
         bad += round_bad
+        code, text = await asyncio.to_thread(chunked_oversize, dep.url)
+        statuses[code or "no answer"] += 1
+        if code != 413:
+            bad.append(f"2 MiB chunked body -> {code}: {text[:200]}")
+        flood = await ready_flood(dep.url, 300)
+        flooded.update(flood)
+        bad += [f"/ready or /metrics flood -> {code} (x {n})" for code, n in flood.items() if code is None or code >= 500]
         await asyncio.gather(*(half_read(dep.url, rng) for _ in range(s.half_reads)))
         async with client() as http:  # more streams at once than the open tenant's limit (64)
             burst += await asyncio.gather(*(send(http, dep.url, completion(16, 8, rng)) for _ in range(96)))
@@ -177,9 +214,15 @@ async def abuse(ctx: Chaos) -> Result:
     alive = await asyncio.to_thread(lambda: httpx.get(f"{dep.url}/health", timeout=10).status_code == 200)
     res = await settle(ctx, res, burst)
     same = (await asyncio.to_thread(dep.gateway)).pid == gateway.pid
+    after = {(w["role"], w["worker_id"]): w["incarnation"] for w in await asyncio.to_thread(dep.workers)}
+    replaced = sorted(f"{r}-{i}" for (r, i), inc in incarnations.items() if after.get((r, i)) != inc)
+    if replaced:
+        res.broken.append(f"workers replaced during abuse: {', '.join(replaced)}")
     burst_429 = sum(r.status == 429 for r in burst)
     res.figures.update(statuses={str(k): v for k, v in sorted(statuses.items(), key=str)}, bad=bad[:20],
                        burst_429=burst_429, gateway_alive=alive and same, gateway_rss_mb=rss)
+    res.figures.update(replaced=replaced, ready_flood={str(k): v for k, v in flooded.items()})
+    res.http_5xx += sum(n for code, n in flooded.items() if code is not None and code >= 500)
     res.notes.append(f"{sum(statuses.values())} fuzzed, {len(bad)} x 5xx/no answer; {len(burst)} streams in "
                      f"bursts of 96: {burst_429} x 429; gateway {'alive' if alive and same else 'RESTARTED'}, "
                      f"RSS MB {'->'.join(f'{x:.0f}' for x in rss)}")
