@@ -11,6 +11,7 @@ that another worker is filling.
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ class RemotePrefillState:
     num_cached_tokens: int
     deadline: float  # monotonic; the gateway's deadline for the whole request
     attempt: int = 0
+    transfer_id: str = ""  # the current attempt's: its KV notifications carry it (new_transfer_id)
     phase: Phase = Phase.PREFILLING
     rpc: grpc.Future | None = None
     abort_rpc: grpc.Future | None = None
@@ -54,3 +56,12 @@ def worker_is_gone(error: BaseException) -> bool:
     """A gRPC error that means the worker cannot be writing any more (dead or never reached)."""
     return isinstance(error, grpc.RpcError) and error.code() in (
         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
+
+
+def new_transfer_id(request_id: str, attempt: int) -> str:
+    """`request_id.attempt.nonce`: what one attempt's notifications are matched by."""
+    return f"{request_id}.{attempt}.{secrets.token_hex(4)}"
+
+
+def request_of(transfer_id: str) -> str:
+    return transfer_id.rsplit(".", 2)[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from decode.remote_prefill import Phase, RemotePrefillState, worker_is_gone
+from decode.remote_prefill import Phase, RemotePrefillState, new_transfer_id, request_of, worker_is_gone
 from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -116,7 +116,7 @@ class DecodeWorker(EngineLoop):
             if request_id not in self.engine.scheduler.held:  # never got blocks: nothing can be written
                 del self.remote[request_id]
             elif state.phase is Phase.PREFILLING:
-                self.receiver.forget(request_id)
+                self.receiver.forget(state.transfer_id)
                 self._abort_attempt(state, "cancelled")
             # ABORTING: the pending Abort confirmation releases the blocks (_next_attempt)
         self._close(request_id, pb.GenerateResponse(finish_reason=pb.ABORT))
@@ -152,7 +152,7 @@ class DecodeWorker(EngineLoop):
                     continue
                 if state.rpc is None:  # nothing went out: nobody can be writing its blocks
                     del self.remote[state.request_id]
-                    self.receiver.forget(state.request_id)
+                    self.receiver.forget(state.transfer_id)
                     self.engine.scheduler.remote_kv_failed(state.request_id, recompute=True)
                 else:
                     self._attempt_failed(state, f"{type(e).__name__}: {e}")
@@ -163,9 +163,9 @@ class DecodeWorker(EngineLoop):
         if self.receiver is not None:
             for ev in self.receiver.poll():
                 busy = True
-                state = self.remote.get(ev.request_id)
-                if state is None or state.phase is not Phase.PREFILLING:
-                    continue
+                state = self.remote.get(request_of(ev.request_id))
+                if state is None or state.phase is not Phase.PREFILLING or ev.request_id != state.transfer_id:
+                    continue  # an earlier attempt's (expect() only matches the current one: belt and braces)
                 if ev.status is ReceiveStatus.COMPLETE:
                     state.kv_complete = True
                 else:
@@ -191,9 +191,10 @@ class DecodeWorker(EngineLoop):
 
     def _send_prefill(self, state: RemotePrefillState, prompt: list[int], params: SamplingParams,
                       priority: int, cache_salt: str) -> None:
+        state.transfer_id = new_transfer_id(state.request_id, state.attempt)
         req = pb.PrefillRequest(
             request_id=state.request_id, prompt_token_ids=prompt, params=params_to_pb(params), priority=priority,
-            cache_salt=cache_salt,
+            cache_salt=cache_salt, transfer_id=state.transfer_id,
             destination=pb.KVDestination(agent_name=self.agent.name, block_ids=state.destination_blocks,
                                          num_cached_tokens=state.num_cached_tokens),
             decode_transfer_info=self._transfer_info,
@@ -201,7 +202,7 @@ class DecodeWorker(EngineLoop):
         timeout = max(0.1, state.deadline - time.monotonic())
         state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
         state.rpc = self._stub(state.worker).Prefill.future(req, timeout=timeout)
-        self.receiver.expect(state.request_id, timeout_s=timeout + 1.0)
+        self.receiver.expect(state.transfer_id, timeout_s=timeout + 1.0)
         log.info("request %s: prefill on %s (attempt %d), %d blocks to fill", state.request_id, state.worker,
                  state.attempt + 1, len(state.destination_blocks))
 
@@ -241,7 +242,7 @@ class DecodeWorker(EngineLoop):
     def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False) -> None:
         log.info("request %s: prefill on %s failed: %s", state.request_id, state.worker, reason)
         state.failures.append(f"{state.worker}: {reason}")
-        self.receiver.forget(state.request_id)
+        self.receiver.forget(state.transfer_id)
         if gone:
             self._next_attempt(state)
         else:

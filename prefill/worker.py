@@ -94,7 +94,7 @@ class PrefillWorker(EngineLoop):
         # The first token is sampled here with the request's own parameters; decoding goes on there.
         self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,
                                 cache_salt=req.cache_salt)
-        self.pusher.start(rid, peer, timeout_s)
+        self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
                  num_blocks - skip)

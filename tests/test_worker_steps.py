@@ -24,7 +24,9 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
+from decode.remote_prefill import Phase
 from tests.fake_nixl import fake_agent
+from transfer.messages import Notification, NotifKind
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import wait_until
 
@@ -205,3 +207,48 @@ def test_the_remote_prefill_budget_follows_the_measured_prefill_rate(model):
     out: queue.SimpleQueue = queue.SimpleQueue()
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 600.0)
     assert worker.remote["r"].deadline - time.monotonic() <= worker.remote_prefill_budget_s(40) + 0.1
+
+
+class _Pending:
+    """A Prefill call that never answers (its worker is slow): only notifications move things."""
+
+    def done(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkeypatch):
+    """Each attempt's KV notifications carry a transfer id of its own (request, attempt,
+    nonce). A notification of attempt 1 that arrives while attempt 2 waits, or one with the
+    bare request id (another agent guessing), neither fails nor completes attempt 2; only
+    attempt 2's own completes it."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    agent = _BookkeepingAgent()
+    inbox: list = []
+    agent.poll_notifications = lambda: [inbox.pop(0) for _ in range(len(inbox))]
+    worker = DecodeWorker(engine, "decode-test", agent)
+    sent = []
+    monkeypatch.setattr(worker, "_stub", lambda address: SimpleNamespace(
+        Prefill=SimpleNamespace(future=lambda req, timeout: sent.append(req) or _Pending()),
+        Abort=SimpleNamespace(future=lambda req, timeout: _Pending())))
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0,
+               ["127.0.0.1:1", "127.0.0.1:2"], out, 30.0)
+    engine.step()  # reserves r's blocks and sends attempt 1
+    state = worker.remote["r"]
+    first = state.transfer_id
+    assert sent[-1].transfer_id == first and first.startswith("r.0.")
+    state.attempt += 1  # attempt 1 failed and was confirmed aborted: attempt 2 goes out
+    worker._send_prefill(state, list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, "")
+    second = state.transfer_id
+    assert second != first and sent[-1].transfer_id == second
+    inbox += [Notification("prefill-0-1", NotifKind.ABORT, first), Notification("prefill-0-1", NotifKind.DONE, first, 3),
+              Notification("prefill-9-9", NotifKind.ABORT, "r")]
+    worker.poll()
+    assert state.phase is Phase.PREFILLING and not state.failures and not state.kv_complete
+    inbox.append(Notification("prefill-1-1", NotifKind.DONE, second, 3))
+    worker.poll()
+    assert state.kv_complete and not state.failures
+    worker.cancel("r")

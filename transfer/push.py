@@ -66,6 +66,7 @@ class _Push:
     peer: str
     deadline: float
     started: float
+    notify_id: str  # what the notifications carry
     queued: deque[_Chunk] = field(default_factory=deque)
     in_flight: list[_Chunk] = field(default_factory=list)
     confirmed_bytes: int = 0
@@ -82,14 +83,15 @@ class KVPusher:
         self._events: list[PushEvent] = []
         self._faults = FaultFile(agent.name)
 
-    def start(self, request_id: str, peer: str, timeout_s: float | None = None) -> None:
-        """Open a push of one request's KV into `peer` (an agent name added with add_peer)."""
+    def start(self, request_id: str, peer: str, timeout_s: float | None = None, notify_as: str = "") -> None:
+        """Open a push of one request's KV into `peer` (an agent name added with add_peer);
+        its notifications name `notify_as` (the receiver's transfer id), else the request id."""
         if request_id in self._pushes:
             raise ValueError(f"request {request_id}: a push is already open")
         self.agent.peer(peer)  # raises UnknownPeerError before anything starts
         now = time.monotonic()
         timeout = self.default_timeout_s if timeout_s is None else timeout_s
-        self._pushes[request_id] = _Push(request_id, peer, now + timeout, now)
+        self._pushes[request_id] = _Push(request_id, peer, now + timeout, now, notify_as or request_id)
         metrics.IN_FLIGHT.inc()
 
     def push(self, request_id: str, local_blocks: list[int], remote_blocks: list[int], last: bool = False) -> None:
@@ -158,7 +160,7 @@ class KVPusher:
                 if not chunk.local:  # nothing to write; a last one still owes the notification
                     p.queued.popleft()
                     if chunk.last:
-                        self.agent.send_notification(p.peer, encode(NotifKind.DONE, p.request_id, p.num_blocks))
+                        self.agent.send_notification(p.peer, encode(NotifKind.DONE, p.notify_id, p.num_blocks))
                         return self._finish(p, PushStatus.DONE)
                     continue
                 self._post(p, chunk)
@@ -171,7 +173,7 @@ class KVPusher:
         agent = self.agent
         peer = agent.peer(p.peer)
         r = agent.layout.regions_per_block
-        notif = encode(NotifKind.DONE, p.request_id, p.num_blocks) if chunk.last else b""
+        notif = encode(NotifKind.DONE, p.notify_id, p.num_blocks) if chunk.last else b""
         handle = agent.nixl.make_prepped_xfer("WRITE", agent.local_dlist, region_indices(chunk.local, r),
                                               peer.dlist, region_indices(chunk.remote, r), notif)
         chunk.handle = handle
@@ -181,7 +183,7 @@ class KVPusher:
 
     def _notify_abort(self, p: _Push) -> None:
         try:
-            self.agent.send_notification(p.peer, encode(NotifKind.ABORT, p.request_id))
+            self.agent.send_notification(p.peer, encode(NotifKind.ABORT, p.notify_id))
         except Exception as e:  # the receiver may be gone; the abort stands either way
             log.info("request %s: could not tell %s about the abort: %s", p.request_id, p.peer, e)
 
