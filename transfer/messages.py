@@ -1,6 +1,7 @@
 """Notifications that travel with (or beside) KV writes, versioned like the handshake.
 
-`pdkv/1 done <request_id> <num_blocks>` rides on the last write of a request: NIXL delivers
+`pdkv/1 done <id> <num_blocks>` rides on the last write of a request (`<id>`: the attempt's
+transfer id, else the request id): NIXL delivers
 it only after that write's data has landed, and the sender posts that write only after
 every earlier chunk completed, so it means "all blocks are in". `pdkv/1 abort
 <request_id>` is a standalone notification sent once nothing of the request is in flight.
