@@ -17,9 +17,6 @@ from engine.scheduler import QueueFull, RequestRejected
 
 log = logging.getLogger(__name__)
 
-# The loop admits between steps: the wait is one step at most, and a loop that takes longer
-# than its stall bound (engine/liveness.py) is wedged anyway. This floor is for fast hosts.
-_ADMIT_FLOOR_S = 10.0
 _POLL_S = 0.5
 
 
@@ -39,7 +36,7 @@ class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
                                                      list(request.prefill_workers), out, context.time_remaining(),
                                                      request.cache_salt),
-                             timeout=max(_ADMIT_FLOOR_S, self.worker.liveness.bound_s))
+                             timeout=self.worker.loop_wait_s())
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestRejected as e:

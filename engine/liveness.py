@@ -82,7 +82,8 @@ class Liveness:
 
     def probed(self) -> None:
         """The loop ran a deep-health probe (a one-token pass: progress, but no step to learn from)."""
-        self.last_progress = time.monotonic()
+        with self._lock:
+            self.last_progress = time.monotonic()
 
     @property
     def longest_step_s(self) -> float:
@@ -93,8 +94,8 @@ class Liveness:
     def bound_s(self) -> float:
         return max(self.floor_s, self.factor * self.longest_step_s)
 
-    def age_s(self, now: float | None = None) -> float:
-        return (time.monotonic() if now is None else now) - self.last_progress
+    def age_s(self) -> float:
+        return time.monotonic() - self.last_progress
 
     def judge_busy(self, queued: int) -> Verdict:
         """A worker with work: alive iff it completed a step within the bound."""

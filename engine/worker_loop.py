@@ -75,6 +75,11 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def loop_wait_s(self, floor_s: float = 10.0) -> float:
+        """How long another thread may wait for the loop to get to its command (one step at
+        most): the stall bound, past which the loop is wedged anyway, or `floor_s` if longer."""
+        return max(floor_s, self.liveness.bound_s)
+
     def health(self, timeout_s: float) -> Verdict:
         """Deep health, from a gRPC thread: a worker with work is judged by its last completed
         step; an idle one runs a real forward pass through the loop (waiting at most

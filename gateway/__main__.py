@@ -15,8 +15,9 @@ import uvicorn
 
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
+from engine.rpc.auth import is_loopback
 from gateway.app import GatewayConfig, create_app
-from gateway.exposure import OPT_IN_FLAG, is_loopback, open_bind_refusal
+from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.tenants import Tenants
 
 

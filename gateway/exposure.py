@@ -10,7 +10,6 @@ from __future__ import annotations
 from engine.rpc.auth import is_loopback
 
 OPT_IN_FLAG = "--insecure-no-api-keys"
-__all__ = ["OPT_IN_FLAG", "is_loopback", "open_bind_refusal"]
 
 
 def open_bind_refusal(host: str, has_keys: bool, opted_in: bool) -> str | None:

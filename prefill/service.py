@@ -17,9 +17,6 @@ from prefill.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
-# Both waits are on the engine loop (one step, or the request's writes in flight): they
-# follow its stall bound (engine/liveness.py), with this floor for fast hosts.
-_LOOP_WAIT_FLOOR_S = 10.0
 _POLL_S = 0.5
 
 
@@ -27,16 +24,13 @@ class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
 
-    def _loop_wait_s(self) -> float:
-        return max(_LOOP_WAIT_FLOOR_S, self.worker.liveness.bound_s)
-
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         rid = request.request_id
         reply: Future = Future()
         try:
             params = params_from_pb(request.params)
             self.worker.call(lambda: self.worker.add(request, params, reply, context.time_remaining()),
-                             timeout=self._loop_wait_s())
+                             timeout=self.worker.loop_wait_s())
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # bad parameters, destination or handshake (HandshakeError, RequestRejected)
@@ -64,7 +58,7 @@ class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
         confirmed: Future = Future()
         self.worker.submit(lambda: self.worker.abort(request.request_id, confirmed))
         try:
-            return pb.AbortResponse(found=confirmed.result(timeout=self._loop_wait_s()))
+            return pb.AbortResponse(found=confirmed.result(timeout=self.worker.loop_wait_s()))
         except FutureTimeout:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"request {request.request_id}: writes still in flight after {self._loop_wait_s():.0f}s")
+                          f"request {request.request_id}: writes still in flight after {self.worker.loop_wait_s():.0f}s")
