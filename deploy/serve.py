@@ -77,6 +77,15 @@ def _private_ray_token() -> None:
         pass
 
 
+def _embedded_on_loopback() -> None:
+    """An embedded cluster is this machine's alone: every Ray process (GCS, raylet, dashboard
+    agent, workers) and every pdserve worker binds 127.0.0.1, not the node's address or every
+    interface. Ray's switch for a one-machine cluster, read when Ray is imported and inherited
+    by each process it starts (workers then take 127.0.0.1 as their node's address)."""
+    assert "ray" not in sys.modules, "set before Ray is imported"
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
 def load_config(args: argparse.Namespace) -> DeployConfig:
     config = DeployConfig.from_yaml(args.config) if args.config else DeployConfig()
     config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
@@ -127,10 +136,12 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         _say(f"dtype {config.dtype} (as configured)")
 
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        _embedded_on_loopback()
     import ray
 
     _check_ray_auth()
-    address = args.address or os.environ.get("RAY_ADDRESS")
     if address:
         _say(f"joining the Ray cluster at {address}")
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)

@@ -78,10 +78,12 @@ def _status(address: str) -> dict:
 
 
 @contextmanager
-def serving(log: Path, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None):
-    """`pdserve serve ARGS` until it prints that it serves; yields (process, Ray address).
-    On exit: SIGTERM, a clean exit code, and no process of its tree left."""
-    proc = subprocess.Popen([str(BIN / "pdserve"), "serve", *args], cwd=REPO, env={**ENV, **(env or {})},
+def serving(log: Path, *args: str, timeout_s: float = 240, env: dict[str, str] | None = None,
+            prefix: tuple[str, ...] = ()):
+    """`pdserve serve ARGS` (run through PREFIX, a command that execs its arguments) until it
+    prints that it serves; yields (process, Ray address). On exit: SIGTERM, a clean exit
+    code, and no process of its tree left."""
+    proc = subprocess.Popen([*prefix, str(BIN / "pdserve"), "serve", *args], cwd=REPO, env={**ENV, **(env or {})},
                             stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -213,6 +215,36 @@ def test_the_embedded_ray_takes_no_call_without_its_token(smollm2_dir, tmp_path)
                                 env={**ENV, **token_env}, capture_output=True, text=True, timeout=120)
         assert status.returncode == 0 and json.loads(status.stdout)["pools"]["decode"], status.stderr
         assert "WARNING: RAY_AUTH_MODE" not in (tmp_path / "serve.log").read_text()
+
+
+# A network namespace of its own in which this machine also has a routable address
+# (10.77.0.1, the default route's source), as a host on a real network has: whatever binds
+# the node's address or every interface shows there, and nothing leaves the machine.
+_ROUTABLE_NS = ("unshare", "-n", "--", "sh", "-c", "ip link set lo up && ip addr add 10.77.0.1/32 dev lo && "
+                "ip route add default dev lo src 10.77.0.1 && exec \"$0\" \"$@\"")
+_LOOPBACK = re.compile(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+$")
+
+
+def test_the_embedded_deployment_listens_on_loopback_only(smollm2_dir, tmp_path):
+    """On a machine with a routable address, an embedded `pdserve serve` (gateway on its
+    default 127.0.0.1) binds every listener of every process it starts, Ray's GCS, raylet,
+    dashboard agent and workers included, to loopback: nobody on the network reaches Ray's
+    APIs, a worker's gRPC or its KV transport."""
+    port = _free_port()
+    with serving(tmp_path / "serve.log", "--dtype", "float32", "--port", str(port), "--num-cpus", "2",
+                 prefix=_ROUTABLE_NS) as (proc, address):
+        assert address.startswith("127.0.0.1:"), address
+        inside = ["nsenter", "-t", str(proc.pid), "-n", "--"]
+        listeners = subprocess.run([*inside, "ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
+        sockets = [line.split() for line in listeners.splitlines() if line.strip()]
+        assert sockets, listeners
+        exposed = [f"{s[3]} {s[-1]}" for s in sockets if not _LOOPBACK.match(s[3])]
+        assert not exposed, "\n".join(exposed)
+        ask = ("import httpx, sys; r = httpx.post(sys.argv[1], json={'model': 'smollm2', 'max_tokens': 4, "
+               "'messages': [{'role': 'user', 'content': 'Hi'}]}, timeout=120); print(r.status_code)")
+        answer = subprocess.run([*inside, sys.executable, "-c", ask, f"http://127.0.0.1:{port}/v1/chat/completions"],
+                                capture_output=True, text=True, timeout=180)
+        assert answer.stdout.strip() == "200", answer.stdout + answer.stderr[-2000:]
 
 
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
