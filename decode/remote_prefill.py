@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.rpc.proof import NotProven
+
 
 class Phase(enum.Enum):
     PREFILLING = "prefilling"  # Prefill RPC in flight, KV not complete yet
@@ -53,8 +55,9 @@ class RemotePrefillState:
 
 
 def worker_is_gone(error: BaseException) -> bool:
-    """A gRPC error that means the worker cannot be writing any more (dead or never reached)."""
-    return isinstance(error, grpc.RpcError) and error.code() in (
+    """A gRPC error that means the worker cannot be writing any more (dead, never reached,
+    or never sent anything because it could not prove itself)."""
+    return isinstance(error, NotProven) or isinstance(error, grpc.RpcError) and error.code() in (
         grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
 
 

@@ -18,6 +18,7 @@ from engine.scheduler import QueueFull, RequestRejected
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+PROVE_TIMEOUT_S = 10.0  # a peer's answer to Prove, a gRPC thread's work: a network bound, not an engine one
 
 
 class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
@@ -32,9 +33,10 @@ class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
         out: queue.SimpleQueue = queue.SimpleQueue()
         prompt = list(request.prompt_token_ids)
+        prefill = self.worker.proven_prefill_workers(list(request.prefill_workers), PROVE_TIMEOUT_S)
         try:
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
-                                                     list(request.prefill_workers), out, context.time_remaining(),
+                                                     prefill, out, context.time_remaining(),
                                                      request.cache_salt),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -63,7 +64,8 @@ class DecodeWorker(EngineLoop):
         self.prefill_timeout_s = prefill_timeout_s
         self.streams: dict[str, _Stream] = {}
         self.remote: dict[str, RemotePrefillState] = {}
-        self._channels: dict[str, pb_grpc.PrefillWorkerStub] = {}
+        self._channels: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
+        self._channels_lock = threading.Lock()  # the loop and RPC threads (proving) both open them
         self._transfer_info = agent.info().to_bytes() if agent is not None else b""
         self.kv_blocks_transferred = 0
         self._progress_failed = False
@@ -285,11 +287,30 @@ class DecodeWorker(EngineLoop):
         log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))
         self.engine.scheduler.remote_kv_failed(rid, recompute=True)
 
+    def _channel(self, address: str) -> tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]:
+        with self._channels_lock:
+            entry = self._channels.get(address)
+            if entry is None:
+                ch = auth.channel(address)
+                entry = self._channels[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
+            return entry
+
     def _stub(self, address: str) -> pb_grpc.PrefillWorkerStub:
-        stub = self._channels.get(address)
-        if stub is None:
-            stub = self._channels[address] = pb_grpc.PrefillWorkerStub(auth.channel(address))
-        return stub
+        return self._channel(address)[1]
+
+    def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
+        """The offered prefill workers that proved they belong to this deployment (the
+        internal token goes to no other address: engine/rpc/proof.py). Runs on the request's
+        RPC thread, so the first proof to a worker, a round trip, never holds the loop; one
+        that cannot prove itself or be reached now is left out of this request's choices."""
+        proven = []
+        for address in addresses:
+            try:
+                auth.prove(self._channel(address)[0], timeout_s)
+                proven.append(address)
+            except grpc.RpcError as e:
+                log.warning("prefill worker %s left out: %s", address, e.details())
+        return proven
 
     # -- streams --------------------------------------------------------------------------
 

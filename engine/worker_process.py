@@ -20,6 +20,7 @@ from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
+from engine.rpc import proof
 from engine.rpc.auth import ServerAuth, internal_token, require_token_off_loopback
 from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
@@ -82,6 +83,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")
+    server.add_generic_rpc_handlers((proof.handler(token, f"{host}:{bound}"),))  # clients check it first
     worker.warm_up()  # before it is ready: the longest step to expect, measured, not assumed
     worker.start()
     server.start()

@@ -3,7 +3,8 @@
 Every process of a deployment gets the same PDSERVE_INTERNAL_TOKEN in its environment
 (`pdserve serve` makes a random one unless the config names one). Workers then refuse any
 call without it (UNAUTHENTICATED), and every client here sends it as `x-pdserve-token`
-metadata. With the variable unset (workers started by hand for local use) nothing is
+metadata, but only to a peer that first proved it holds the token too (engine/rpc/proof.py:
+an address handed on by someone else may be anyone's). With the variable unset (workers started by hand for local use) nothing is
 checked, so such a worker binds loopback only (`require_token_off_loopback`). The token is
 compared in constant time and never logged.
 """
@@ -16,6 +17,8 @@ import os
 
 import grpc
 from grpc import aio
+
+from engine.rpc import proof
 
 ENV = "PDSERVE_INTERNAL_TOKEN"
 HEADER = "x-pdserve-token"
@@ -43,7 +46,8 @@ def require_token_off_loopback(host: str) -> None:
 
 
 class ServerAuth(grpc.ServerInterceptor):
-    """Rejects calls whose metadata lacks the token (a no-op without one)."""
+    """Rejects calls whose metadata lacks the token (a no-op without one); `Prove` alone is
+    served to anyone, since a client asks it before it sends the token."""
 
     def __init__(self, token: str | None):
         self._token = token.encode() if token else None
@@ -54,7 +58,8 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or self._token is None or self._allowed(handler_call_details.invocation_metadata):
+        if handler is None or self._token is None or handler_call_details.method == proof.METHOD or \
+                self._allowed(handler_call_details.invocation_metadata):
             return handler
 
         def deny(request, context):
@@ -74,10 +79,12 @@ class _Details(grpc.ClientCallDetails):
 
 
 class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    def __init__(self, token: str):
+    def __init__(self, token: str, address: str):
         self._pair = (HEADER, token)
+        self._proof = proof.Proof(token, address)
 
     def _details(self, details):
+        self._proof.ensure(details.timeout)
         return _Details(details, [*(details.metadata or ()), self._pair])
 
     def intercept_unary_unary(self, continuation, details, request):
@@ -88,10 +95,12 @@ class _ClientAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
 
 
 class _AioAuth:
-    def __init__(self, token: str):
+    def __init__(self, token: str, check: proof.AioProof):
         self._pair = (HEADER, token)
+        self._proof = check
 
-    def _details(self, details):
+    async def _details(self, details):
+        await self._proof.ensure(details.timeout)
         metadata = aio.Metadata(*(details.metadata or ()), self._pair)
         return aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                      details.wait_for_ready)
@@ -100,21 +109,39 @@ class _AioAuth:
 # Two classes: grpc.aio files an interceptor under the first kind it matches, never both.
 class _AioUnaryAuth(_AioAuth, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+        return await continuation(await self._details(details), request)
 
 
 class _AioStreamAuth(_AioAuth, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+        return await continuation(await self._details(details), request)
 
 
 def channel(address: str) -> grpc.Channel:
-    """A channel to a worker that sends the internal token (if this process has one)."""
+    """A channel to a worker that sends the internal token (if this process has one), once
+    the worker has proved it holds it; else its first call raises proof.NotProven."""
     ch = grpc.insecure_channel(address)
     token = internal_token()
-    return grpc.intercept_channel(ch, _ClientAuth(token)) if token else ch
+    if not token:
+        return ch
+    interceptor = _ClientAuth(token, address)
+    ch = grpc.intercept_channel(ch, interceptor)
+    ch.pdserve_proof = interceptor._proof
+    return ch
+
+
+def prove(ch: grpc.Channel, timeout_s: float) -> None:
+    """Have `ch`'s peer prove itself now (a round trip, the first time only), so that a later
+    call on a thread that must not wait (an engine loop) finds it done. Raises
+    proof.NotProven, or the RpcError of a peer that cannot be reached; a no-op without a token."""
+    check = getattr(ch, "pdserve_proof", None)
+    if check is not None:
+        check.ensure(timeout_s)
 
 
 def aio_channel(address: str) -> aio.Channel:
     token = internal_token()
-    return aio.insecure_channel(address, interceptors=[_AioUnaryAuth(token), _AioStreamAuth(token)] if token else None)
+    if not token:
+        return aio.insecure_channel(address)
+    check = proof.AioProof(token, address)
+    return aio.insecure_channel(address, interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check)])
