@@ -12,7 +12,8 @@ several bundles of one group), starts the gateway, and every health round:
   an idle one by a probe through the loop: engine/liveness.py), so a slow, busy worker is
   kept and only a wedged one (or one that does not answer) fails; `unhealthy_after`
   failures in a row and the host is restarted, with the worker's own account logged;
-- pushes the ready workers to the gateway (PUT /admin/workers), which routes to them only.
+- pushes the ready workers to the gateway (PUT /admin/workers, through the actor on the gateway's node to
+  its loopback-only admin socket), which routes to them only.
 
 `scale` adds workers (ready before they join) and removes the newest ones after draining
 them: out of the membership first, then stopped once their queues are empty or
@@ -21,7 +22,6 @@ them: out of the membership first, then stopped once their queues are empty or
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -372,14 +372,12 @@ class Controller:
         if self.gateway is None:
             return
         ready = {role: [s.address for s in slots if s.state == "ready"] for role, slots in self.pools.items()}
-        body = json.dumps({"decode": ready["decode"], "prefill": ready["prefill"]}).encode()
-        request = urllib.request.Request(f"{self._gateway_url()}/admin/workers", data=body, method="PUT",
-                                         headers={"Authorization": f"Bearer {self.admin_token}",
-                                                  "Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=5).close()
-        except OSError as e:  # a gateway that is (re)starting: the next round pushes again
-            log.info("membership push failed: %s", e)
+        try:  # through the actor on the gateway's node: the admin socket listens on its loopback only
+            failed = ray.get(self.gateway.push_membership.remote(ready["decode"], ready["prefill"]), timeout=30)
+        except Exception as e:  # the actor is restarting: the next round pushes again
+            failed = str(e)
+        if failed:
+            log.info("membership push failed: %s", failed)
 
     def _event(self, message: str) -> None:
         log.info(message)

@@ -10,12 +10,14 @@ port. The controller reads `info()` every health round and notices both.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import ray
@@ -24,6 +26,7 @@ from deploy.process_log import RotatingLog, log_root
 from engine.parent_watch import ENV as PARENT_ENV
 
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
+_ADMIN = re.compile(r"^admin on (\S+):(\d+)$", re.MULTILINE)
 LOG_ROOT = log_root()
 
 
@@ -113,7 +116,26 @@ class GatewayHost:
             cmd += ["--served-name", served_name]
         self.started = time.time()
         log = Path(log_dir) / f"gateway-{int(self.started * 1000)}.log"
+        self.admin_token, self.admin_address = admin_token, ""
         self.process = HostedProcess(cmd, log, {**env, "PDSERVE_ADMIN_TOKEN": admin_token})
+
+    def push_membership(self, decode: list[str], prefill: list[str]) -> str:
+        """PUT the ready workers to the gateway's admin socket, on this node's loopback (the
+        only place it listens: gateway/admin_listener.py). Returns "" or why it failed."""
+        if not self.admin_address:
+            m = _ADMIN.search(self.process.log_path.read_text(errors="replace"))
+            if m is None:
+                return "the gateway has not opened its admin socket yet"
+            self.admin_address = f"{m.group(1)}:{m.group(2)}"
+        body = json.dumps({"decode": decode, "prefill": prefill}).encode()
+        request = urllib.request.Request(f"http://{self.admin_address}/admin/workers", data=body, method="PUT",
+                                         headers={"Authorization": f"Bearer {self.admin_token}",
+                                                  "Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=5).close()
+        except OSError as e:  # a gateway that is (re)starting: the next round pushes again
+            return str(e)
+        return ""
 
     def info(self) -> dict:
         return {"alive": self.process.alive(), "pid": self.process.proc.pid, "host_pid": os.getpid(),

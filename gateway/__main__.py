@@ -1,7 +1,8 @@
 """python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000]
 
 With PDSERVE_ADMIN_TOKEN set in its environment the worker lists may start empty: the
-deploy controller pushes them with PUT /admin/workers (Authorization: Bearer <token>)."""
+deploy controller pushes them with PUT /admin/workers (Authorization: Bearer <token>) to the
+admin socket, 127.0.0.1:--admin-port, which the gateway prints as `admin on HOST:PORT`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import json
 import logging
 import os
 import signal
+import sys
 
 import uvicorn
 
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
 from engine.rpc.auth import is_loopback
+from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.tenants import Tenants
@@ -43,6 +46,8 @@ def main() -> None:
                     help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client may pause while sending its body before a 408")
+    ap.add_argument("--admin-port", type=int, default=0,
+                    help="with PDSERVE_ADMIN_TOKEN: the port of the admin socket, on 127.0.0.1 only (default: any free)")
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
                     help="serve without API keys on a non-loopback address: anyone who reaches it can use it")
     args = ap.parse_args()
@@ -61,15 +66,23 @@ def main() -> None:
     if tenants.open and not is_loopback(args.host):
         logging.getLogger("gateway").warning("serving on %s with no API keys (%s): anyone who reaches it can use it",
                                              args.host, OPT_IN_FLAG)
-    config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants,
+    admin = admin_listener.bind(args.admin_port) if admin_token else None
+    admin_port = admin.getsockname()[1] if admin else None
+    config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants, admin_port=admin_port,
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11).
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="info",
-                limit_concurrency=args.max_connections, timeout_keep_alive=5, h11_max_incomplete_event_size=16384)
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="info",
+                                           limit_concurrency=args.max_connections, timeout_keep_alive=5,
+                                           h11_max_incomplete_event_size=16384))
+    sockets = [server.config.bind_socket()]
+    if admin is not None:
+        sockets.append(admin)
+        print(f"admin on {admin_listener.HOST}:{admin_port}", file=sys.stderr, flush=True)
+    server.run(sockets=sockets)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.rpc import pdserve_pb2 as pb
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway import responses
+from gateway.admin_listener import AdminOnLoopback
 from gateway.admission import Admission
 from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
@@ -58,6 +59,7 @@ class GatewayConfig:
     max_ttft_s: float | None = 60.0  # TTFT bound: shed past 75% of it, predicted (None: never shed)
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
     admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
+    admin_port: int | None = None  # the loopback socket that alone serves /admin/* (gateway/admin_listener.py)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -130,6 +132,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, authenticate=config.tenants.authenticate,
                        body_timeout_s=config.body_timeout_s)
+    if config.admin_token:  # outermost: /admin/* on the loopback admin socket only
+        app.add_middleware(AdminOnLoopback, admin_port=config.admin_port if config.admin_port is not None else -1)
 
     @app.get("/health")
     async def health() -> dict:
