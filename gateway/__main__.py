@@ -20,6 +20,7 @@ from engine.parent_watch import watch_parent
 from engine.rpc.auth import is_loopback
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
+from gateway.head_deadline import with_head_timeout
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.tenants import Tenants
 
@@ -46,6 +47,9 @@ def main() -> None:
                     help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client may pause while sending its body before a 408")
+    ap.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection has to deliver a whole request head (from opening, or from the "
+                         "end of its last response) before a 408 and close")
     ap.add_argument("--admin-port", type=int, default=0,
                     help="with PDSERVE_ADMIN_TOKEN: the port of the admin socket, on 127.0.0.1 only (default: any free)")
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
@@ -74,8 +78,10 @@ def main() -> None:
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
-    # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11).
+    # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
+    # must arrive within --header-timeout (gateway/head_deadline.py).
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="info",
+                                           http=with_head_timeout(args.header_timeout),
                                            limit_concurrency=args.max_connections, timeout_keep_alive=5,
                                            h11_max_incomplete_event_size=16384))
     sockets = [server.config.bind_socket()]

@@ -95,6 +95,7 @@ def test_abuse_gets_no_5xx_and_the_gateway_stays_up(ctx):
     r = run(ctx, "abuse")
     f = r.figures
     assert f["gateway_alive"] and not f["bad"], f
+    assert set(f["slow_heads"]) == {"408"}, f["slow_heads"]  # heads sent byte by byte: cut off, answered
     assert r.failed_cleanly > 0 and r.completed > 0, f["statuses"]  # bad inputs refused, good ones served
     assert f["gateway_rss_mb"][-1] - f["gateway_rss_mb"][0] < 512, f  # flat, give or take the allocator
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from collections import Counter
 
 import httpx
@@ -155,6 +156,31 @@ async def ready_flood(url: str, n: int) -> Counter:
         return Counter(await asyncio.gather(*(one(p) for _ in range(n) for p in ("ready", "metrics"))))
 
 
+async def slow_head(url: str, limit_s: float = 120.0) -> str:
+    """A connection that sends its request head one byte every 0.5 s: the gateway must answer
+    408 and close it at the head's deadline (--header-timeout), not hold it open. Returns
+    "408", "closed" (cut off without an answer) or "held open" (still open after limit_s)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"GET /health HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode()
+    deadline, sent = time.monotonic() + limit_s, 0
+    try:
+        while time.monotonic() < deadline:
+            writer.write(head[sent:sent + 1] or b"x")
+            sent += 1
+            try:
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(64), 0.5)
+            except asyncio.TimeoutError:
+                continue
+            except OSError:
+                return "closed"
+            return "408" if answer.startswith(b"HTTP/1.1 408") else ("closed" if not answer else answer[:12].decode())
+        return "held open"
+    finally:
+        writer.close()
+
+
 async def half_read(url: str, rng: random.Random) -> None:
     """A raw connection that stops halfway: through sending its body, or through reading the
     SSE stream, then closes."""
@@ -182,13 +208,14 @@ async def half_read(url: str, rng: random.Random) -> None:
 
 
 async def abuse(ctx: Chaos) -> Result:
-    """Fuzzed requests, limit probes, SSE reads that stop halfway and a burst past the
-    tenant's concurrent-stream limit: no 5xx, the gateway alive, its memory flat."""
+    """Fuzzed requests, limit probes, SSE reads that stop halfway, heads sent byte by byte
+    and a burst past the tenant's concurrent-stream limit: no 5xx, the gateway alive, its
+    memory flat."""
     res, dep, s, rng = Result("abuse", no_5xx=True), ctx.dep, ctx.sizes, ctx.rng
     incarnations = {(w["role"], w["worker_id"]): w["incarnation"] for w in await asyncio.to_thread(dep.workers)}
     gateway = await asyncio.to_thread(dep.gateway)
     rss = [gateway.memory_info().rss / 2**20]
-    statuses, bad, burst, flooded = Counter(), [], [], Counter()
+    statuses, bad, burst, flooded, slow_heads = Counter(), [], [], Counter(), Counter()
     for _ in range(s.abuse_rounds):
         round_statuses, round_bad = await asyncio.to_thread(fuzz, dep.url, s.fuzz_examples, rng.randrange(2**32))
         statuses.update(round_statuses)
@@ -201,6 +228,9 @@ async def abuse(ctx: Chaos) -> Result:
         flooded.update(flood)
         bad += [f"/ready or /metrics flood -> {code} (x {n})" for code, n in flood.items() if code is None or code >= 500]
         await asyncio.gather(*(half_read(dep.url, rng) for _ in range(s.half_reads)))
+        heads = Counter(await asyncio.gather(*(slow_head(dep.url) for _ in range(16))))
+        slow_heads.update(heads)
+        bad += [f"a head sent byte by byte -> {what} (x {n})" for what, n in heads.items() if what != "408"]
         async with client() as http:  # more streams at once than the open tenant's limit (64)
             burst += await asyncio.gather(*(send(http, dep.url, completion(16, 8, rng)) for _ in range(96)))
         try:
@@ -221,7 +251,10 @@ async def abuse(ctx: Chaos) -> Result:
     burst_429 = sum(r.status == 429 for r in burst)
     res.figures.update(statuses={str(k): v for k, v in sorted(statuses.items(), key=str)}, bad=bad[:20],
                        burst_429=burst_429, gateway_alive=alive and same, gateway_rss_mb=rss)
-    res.figures.update(replaced=replaced, ready_flood={str(k): v for k, v in flooded.items()})
+    res.figures.update(replaced=replaced, ready_flood={str(k): v for k, v in flooded.items()},
+                       slow_heads=dict(slow_heads))
+    res.failed_cleanly += slow_heads.get("408", 0)
+    res.dropped += sum(n for what, n in slow_heads.items() if what != "408")
     res.http_5xx += sum(n for code, n in flooded.items() if code is not None and code >= 500)
     res.notes.append(f"{sum(statuses.values())} fuzzed, {len(bad)} x 5xx/no answer; {len(burst)} streams in "
                      f"bursts of 96: {burst_429} x 429; gateway {'alive' if alive and same else 'RESTARTED'}, "
