@@ -41,6 +41,7 @@ from deploy.simulator import Pools
 from engine.rpc import auth
 from engine.rpc import pdserve_pb2 as pb
 from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from transfer.handshake import agent_name
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Controller:
         self.driver_node = driver_node_id
         self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
         self.pools: dict[str, list[Slot]] = {"prefill": [], "decode": []}
+        self.draining: list[Slot] = []  # out of the pools and the routing, still finishing their work
         self.next_id = {"prefill": 0, "decode": 0}
         self.gateway: ray.actor.ActorHandle | None = None
         self.gateway_started = 0.0
@@ -141,6 +143,7 @@ class Controller:
                     leaving.append(self.pools[role].pop())  # the newest first
             for slot in leaving:
                 slot.state = "draining"
+                self.draining.append(slot)
             if leaving:
                 self._push_membership()  # out of routing now; the rounds go on while they drain
         for slot in leaving:  # outside the lock: a slow drain holds up no health round
@@ -228,6 +231,8 @@ class Controller:
             time.sleep(0.2)
         _quietly(lambda: ray.get(slot.host.stop.remote(), timeout=30))
         self._remove(slot)
+        with self.lock:
+            self.draining = [s for s in self.draining if s is not slot]
         self._event(f"{slot.role} worker {slot.worker_id}: removed")
 
     def _remove(self, slot: Slot) -> None:
@@ -368,7 +373,22 @@ class Controller:
             self._event("gateway process exited; restarting it")
             ray.kill(self.gateway, no_restart=False)
 
+    def _push_peers(self) -> None:
+        """Every ready prefill worker learns the deployment's decode agents (the ready ones and
+        those still draining): the only destinations its KV may go to."""
+        agents = [agent_name("decode", s.worker_id, s.incarnation) for s in [*self.pools["decode"], *self.draining]
+                  if s.role == "decode" and s.state in ("ready", "draining")]
+        for slot in [s for s in self.pools["prefill"] if s.state == "ready"]:
+            try:
+                pb_grpc.PrefillWorkerStub(self._channel(slot.address)).SetPeers(
+                    pb.SetPeersRequest(decode_agents=agents), timeout=self.config.health_timeout_s)
+            except grpc.RpcError as e:  # the next round sends it again; its health check judges it
+                log.info("prefill worker %s: SetPeers failed: %s", slot.worker_id, e.code().name)
+
     def _push_membership(self) -> None:
+        """The prefill workers first, then the gateway: a decode worker is routed to only once
+        the prefill workers take its KV destinations."""
+        self._push_peers()
         if self.gateway is None:
             return
         ready = {role: [s.address for s in slots if s.state == "ready"] for role, slots in self.pools.items()}

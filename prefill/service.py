@@ -1,4 +1,4 @@
-"""gRPC face of the prefill worker: Prefill, Abort, plus TransferInfo / Health / Stats."""
+"""gRPC face of the prefill worker: Prefill, Abort, SetPeers, plus TransferInfo / Health / Stats."""
 
 from __future__ import annotations
 
@@ -52,6 +52,11 @@ class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
                 if not context.is_active():
                     return pb.PrefillResponse(error=pb.Error(code=pb.CANCELLED, message="caller gone",
                                                              request_id=rid))
+
+    def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
+        """Answered at once, whatever the loop is doing: the check reads the new list next."""
+        self.worker.set_members(list(request.decode_agents))
+        return pb.SetPeersResponse()
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Answers once nothing of the request is in flight (its blocks are free to reuse)."""

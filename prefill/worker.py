@@ -62,6 +62,15 @@ class PrefillWorker(EngineLoop):
         self.block_size = engine.kv_manager.block_size
         self.requests: dict[str, _Prefill] = {}
         self.kv_blocks_transferred = 0
+        # The deployment's decode agents (SetPeers, from the controller); None until the
+        # first list arrives: a worker started by hand takes any destination that checks out.
+        self.members: frozenset[str] | None = None
+
+    def set_members(self, decode_agents: list[str]) -> None:
+        """The controller's list of decode agents (any thread: one assignment); connections
+        to agents that left are dropped on the loop, once nothing is in flight to them."""
+        self.members = frozenset(decode_agents)
+        self.submit(self.drop_departed_peers)
 
     # -- commands (run on the loop thread) -----------------------------------------------
 
@@ -84,6 +93,9 @@ class PrefillWorker(EngineLoop):
         info = TransferInfo.from_bytes(req.decode_transfer_info)
         if info.agent_name != dest.agent_name:
             raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {info.agent_name!r}")
+        members = self.members
+        if members is not None and info.agent_name not in members:  # before it can touch a known peer
+            raise ValueError(f"request {rid}: {info.agent_name!r} is not a decode worker of this deployment")
         pool = info.layout.num_blocks  # writes go only where the peer's pool has blocks, each once
         bad = next((b for b in dest.block_ids if not 0 <= b < pool), None)
         if bad is not None:
@@ -98,6 +110,17 @@ class PrefillWorker(EngineLoop):
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
                  num_blocks - skip)
+
+    def drop_departed_peers(self) -> None:
+        """Disconnect from decode agents no longer in the membership, except those a push is
+        still writing to (the next membership round drops them)."""
+        members = self.members
+        if members is None:
+            return
+        busy = {p.peer for p in self.requests.values()}
+        for name in [n for n in self.agent.peers if n not in members and n not in busy]:
+            log.info("peer %s left the deployment: disconnected", name)
+            self.agent.remove_peer(name)
 
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""

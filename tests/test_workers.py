@@ -523,6 +523,48 @@ def test_a_prefill_into_blocks_the_destination_does_not_have_is_refused(workers)
     assert_idle(d, p)
 
 
+def test_a_prefill_worker_writes_only_to_the_decode_agents_the_deployment_names(workers, reference):
+    """Once the controller has named the deployment's decode agents (SetPeers), P refuses a
+    destination of any other agent before it can touch a known peer: a forged identity (D's
+    worker id, an incarnation from the far future) no longer replaces D's and locks D out.
+    An agent dropped from the list is disconnected; D's requests then prefill locally, with
+    the same tokens."""
+    d, p = workers.d, workers.p
+    info = d.stub.TransferInfo(pb.TransferInfoRequest(), timeout=10).info
+    real = json.loads(info)["agent_name"]
+    rng = random.Random(8)
+    prompts = [_prompt(rng, 3 * BLOCK + 2) for _ in range(3)]
+    want = reference(prompts, 4)
+
+    def transferred() -> int:
+        return p.stub.Stats(pb.StatsRequest(), timeout=10).kv_blocks_transferred
+
+    try:
+        p.stub.SetPeers(pb.SetPeersRequest(decode_agents=[real]), timeout=10)
+        forged_name = f"{real.rpartition('-')[0]}-99999999999999"
+        forged = json.dumps({**json.loads(info), "agent_name": forged_name}).encode()
+        req = pb.PrefillRequest(request_id="forged-identity", prompt_token_ids=prompts[0],
+                                params=pb.SamplingParams(temperature=0, max_tokens=1),
+                                destination=pb.KVDestination(agent_name=forged_name, block_ids=[1, 2, 3, 4]),
+                                decode_transfer_info=forged)
+        reply = p.stub.Prefill(req, timeout=30)
+        assert reply.error.code == pb.INVALID_REQUEST and "not a decode worker of this deployment" in \
+            reply.error.message, reply
+        before = transferred()
+        assert generate(d, prompts[1], 4, prefill=[p.address]).tokens == want[1]
+        assert transferred() > before  # D is still P's peer: prefilled there
+        assert "replaced by" not in p.log_path.read_text()
+
+        p.stub.SetPeers(pb.SetPeersRequest(decode_agents=["decode-77-1"]), timeout=10)
+        wait_until(lambda: f"peer {real} left the deployment" in p.log_path.read_text(), 30, "D disconnected")
+        before = transferred()
+        assert generate(d, prompts[2], 4, prefill=[p.address]).tokens == want[2]  # prefilled on D itself
+        assert transferred() == before
+    finally:
+        p.stub.SetPeers(pb.SetPeersRequest(decode_agents=[real]), timeout=10)
+    assert_idle(d, p)
+
+
 def test_requests_that_cannot_fit_are_refused(workers):
     d, p = workers.d, workers.p
     rng = random.Random(6)

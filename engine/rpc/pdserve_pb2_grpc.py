@@ -245,6 +245,11 @@ class PrefillWorkerStub:
                 request_serializer=engine_dot_rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
                 response_deserializer=engine_dot_rpc_dot_pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.SetPeers = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/SetPeers',
+                request_serializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
+                _registered_method=True)
         self.TransferInfo = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/TransferInfo',
                 request_serializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
@@ -272,6 +277,12 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPeers(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -307,6 +318,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=engine_dot_rpc_dot_pdserve__pb2.AbortRequest.FromString,
                     response_serializer=engine_dot_rpc_dot_pdserve__pb2.AbortResponse.SerializeToString,
+            ),
+            'SetPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPeers,
+                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.FromString,
+                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.SerializeToString,
             ),
             'TransferInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.TransferInfo,
@@ -378,6 +394,33 @@ class PrefillWorker:
             '/pdserve.v1.PrefillWorker/Abort',
             engine_dot_rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
             engine_dot_rpc_dot_pdserve__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/SetPeers',
+            engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+            engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,
