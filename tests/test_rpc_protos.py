@@ -15,7 +15,7 @@ def test_services_have_the_contract_methods():
     prefill = {m.name for m in services["PrefillWorker"].methods}
     common = {"TransferInfo", "Health", "Stats"}
     assert decode == {"Generate"} | common
-    assert prefill == {"Prefill", "Abort"} | common
+    assert prefill == {"Prefill", "Abort", "SetPeers"} | common
     assert services["DecodeWorker"].methods_by_name["Generate"].server_streaming
     assert hasattr(pdserve_pb2_grpc, "DecodeWorkerServicer") and hasattr(pdserve_pb2_grpc, "PrefillWorkerStub")
 
