@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from bench.worker_procs import WorkerProc, start_worker
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 
 
 def log(msg: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.rpc.proof import NotProven
+from rpc.proof import NotProven
 
 
 class Phase(enum.Enum):

@@ -22,10 +22,10 @@ from decode.remote_prefill import Phase, RemotePrefillState, new_transfer_id, re
 from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.rpc import auth
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
-from engine.rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
+from rpc import auth
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemotePrefill, RequestRejected
 from engine.sequence import FinishReason
@@ -300,7 +300,7 @@ class DecodeWorker(EngineLoop):
 
     def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (the
-        internal token goes to no other address: engine/rpc/proof.py). Runs on the request's
+        internal token goes to no other address: rpc/proof.py). Runs on the request's
         RPC thread, so the first proof to a worker, a round trip, never holds the loop; one
         that cannot prove itself or be reached now is left out of this request's choices."""
         proven = []

@@ -38,9 +38,9 @@ from deploy.config import DeployConfig, PoolConfig
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
 from deploy.planner_loop import PlannerLoop
 from deploy.simulator import Pools
-from engine.rpc import auth
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import auth
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 from transfer.handshake import agent_name
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
-from engine.rpc import proof
-from engine.rpc.auth import ServerAuth, internal_token, require_token_off_loopback
+from rpc import proof
+from rpc.auth import ServerAuth, internal_token, require_token_off_loopback
 from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
 

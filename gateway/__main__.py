@@ -17,7 +17,7 @@ import uvicorn
 
 from engine.model_source import resolve_model
 from engine.parent_watch import watch_parent
-from engine.rpc.auth import is_loopback
+from rpc.auth import is_loopback
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.head_deadline import with_head_timeout

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway import responses
 from gateway.admin_listener import AdminOnLoopback

@@ -7,9 +7,9 @@ import asyncio
 import grpc
 from grpc import aio
 
-from engine.rpc import auth
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import auth
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 
 
 class Backend:

@@ -7,7 +7,7 @@ config, unless the operator opts in with a flag that names the risk.
 
 from __future__ import annotations
 
-from engine.rpc.auth import is_loopback
+from rpc.auth import is_loopback
 
 OPT_IN_FLAG = "--insecure-no-api-keys"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from engine.tokenizer import Tokenizer
 
 

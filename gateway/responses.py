@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from engine.tokenizer import Tokenizer
 from gateway.errors import APIError
 from gateway.logprobs import render as render_logprobs

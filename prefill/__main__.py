@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import pdserve_pb2_grpc as pb_grpc
 from engine.worker_process import build_agent, build_engine, serve, worker_arguments
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker

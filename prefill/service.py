@@ -8,10 +8,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
-from engine.rpc.convert import params_from_pb
-from engine.rpc.worker_service import WorkerServiceMixin
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc.convert import params_from_pb
+from rpc.worker_service import WorkerServiceMixin
 from engine.scheduler import QueueFull
 from prefill.worker import PrefillWorker
 

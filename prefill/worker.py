@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from engine.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc.convert import logprobs_to_pb
+from rpc import pdserve_pb2 as pb
+from rpc.convert import logprobs_to_pb
 from engine.sampling_params import SamplingParams
 from engine.worker_loop import EngineLoop
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo

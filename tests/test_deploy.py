@@ -253,9 +253,9 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
     in a row replaces. Steps then take longer than that deadline (a probe queued behind one
     would miss it, as it did before liveness was judged by progress), yet no worker is
     replaced and every request is served."""
-    from engine.rpc import auth
-    from engine.rpc import pdserve_pb2 as pb
-    from engine.rpc import pdserve_pb2_grpc as pb_grpc
+    from rpc import auth
+    from rpc import pdserve_pb2 as pb
+    from rpc import pdserve_pb2_grpc as pb_grpc
 
     token = "saturation-test-token"
     config = tmp_path / "strict.yaml"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from tests.worker_procs import REPO, start_workers, wait_idle
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

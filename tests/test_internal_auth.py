@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.rpc import auth, proof
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import auth, proof
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import start_workers
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.rpc import codegen, pdserve_pb2, pdserve_pb2_grpc
+from rpc import codegen, pdserve_pb2, pdserve_pb2_grpc
 
 
 def test_generated_code_is_current():
-    assert codegen.stale_files() == [], "run: python -m engine.rpc.codegen"
+    assert codegen.stale_files() == [], "run: python -m rpc.codegen"
 
 
 def test_services_have_the_contract_methods():

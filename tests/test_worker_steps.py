@@ -22,7 +22,7 @@ import prefill.worker as prefill_worker
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
 from decode.remote_prefill import Phase
 from tests.fake_nixl import fake_agent

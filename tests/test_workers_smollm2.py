@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from tests.worker_procs import start_workers, wait_idle
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea."]

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 
-from engine.rpc import auth
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import auth
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 60.0

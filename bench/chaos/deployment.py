@@ -23,9 +23,9 @@ import yaml
 from bench.chaos.client import until
 from bench.chaos.sizes import KV_BLOCKS, MAX_OUTPUT_TOKENS, RECOVERY_TIMEOUT_S, Sizes
 from engine import envs
-from engine.rpc import auth
-from engine.rpc import pdserve_pb2 as pb
-from engine.rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import auth
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parents[2]  # bench/chaos/deployment.py -> the repository root
 BIN = Path(sys.executable).parent

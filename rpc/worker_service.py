@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 
 # An idle worker's probe is one token through the loop, which picks it up within a
 # millisecond; past this wait (or the call's deadline) the loop's own heartbeat decides.

@@ -1,7 +1,7 @@
-"""Generate engine/rpc/pdserve_pb2.py and pdserve_pb2_grpc.py from pdserve.proto.
+"""Generate rpc/pdserve_pb2.py and pdserve_pb2_grpc.py from pdserve.proto.
 
-    python -m engine.rpc.codegen            # rewrite the generated files
-    python -m engine.rpc.codegen --check    # exit 1 if they are stale
+    python -m rpc.codegen            # rewrite the generated files
+    python -m rpc.codegen --check    # exit 1 if they are stale
 
 The generated code is kept in the tree so workers need no protoc at run time.
 """
@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-PROTO = Path("engine/rpc/pdserve.proto")
+ROOT = Path(__file__).resolve().parents[1]
+PROTO = Path("rpc/pdserve.proto")
 GENERATED = ("pdserve_pb2.py", "pdserve_pb2_grpc.py")
 
 
@@ -43,10 +43,10 @@ def main() -> int:
     if args.check:
         stale = stale_files()
         for name in stale:
-            print(f"stale: engine/rpc/{name} (run python -m engine.rpc.codegen)", file=sys.stderr)
+            print(f"stale: rpc/{name} (run python -m rpc.codegen)", file=sys.stderr)
         return 1 if stale else 0
     generate(ROOT)
-    print(f"wrote {', '.join(f'engine/rpc/{n}' for n in GENERATED)}")
+    print(f"wrote {', '.join(f'rpc/{n}' for n in GENERATED)}")
     return 0
 
 

@@ -3,7 +3,7 @@
 Every process of a deployment gets the same PDSERVE_INTERNAL_TOKEN in its environment
 (`pdserve serve` makes a random one unless the config names one). Workers then refuse any
 call without it (UNAUTHENTICATED), and every client here sends it as `x-pdserve-token`
-metadata, but only to a peer that first proved it holds the token too (engine/rpc/proof.py:
+metadata, but only to a peer that first proved it holds the token too (rpc/proof.py:
 an address handed on by someone else may be anyone's). With the variable unset (workers started by hand for local use) nothing is
 checked, so such a worker binds loopback only (`require_token_off_loopback`). The token is
 compared in constant time and never logged.
@@ -18,7 +18,7 @@ import os
 import grpc
 from grpc import aio
 
-from engine.rpc import proof
+from rpc import proof
 
 ENV = "PDSERVE_INTERNAL_TOKEN"
 HEADER = "x-pdserve-token"

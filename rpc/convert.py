@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2 as pb
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from engine.rpc import pdserve_pb2 as engine_dot_rpc_dot_pdserve__pb2
+from rpc import pdserve_pb2 as rpc_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in engine/rpc/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in rpc/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class DecodeWorkerStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Generate',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.TransferInfo = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/TransferInfo',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Health',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/Stats',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.StatsResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -88,23 +88,23 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'TransferInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.TransferInfo,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,8 +132,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Generate',
-            engine_dot_rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.GenerateResponse.FromString,
+            rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -159,8 +159,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/TransferInfo',
-            engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
+            rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -186,8 +186,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Health',
-            engine_dot_rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.HealthResponse.FromString,
+            rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -213,8 +213,8 @@ class DecodeWorker:
             request,
             target,
             '/pdserve.v1.DecodeWorker/Stats',
-            engine_dot_rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.StatsResponse.FromString,
+            rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,33 +237,33 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Prefill',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.PrefillResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Abort',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.AbortResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.SetPeers = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/SetPeers',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
                 _registered_method=True)
         self.TransferInfo = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/TransferInfo',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Health',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.v1.PrefillWorker/Stats',
-                request_serializer=engine_dot_rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=engine_dot_rpc_dot_pdserve__pb2.StatsResponse.FromString,
+                request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -311,33 +311,33 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.PrefillRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.AbortRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.AbortResponse.SerializeToString,
             ),
             'SetPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPeers,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.SetPeersRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.SetPeersResponse.SerializeToString,
             ),
             'TransferInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.TransferInfo,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=engine_dot_rpc_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=engine_dot_rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -365,8 +365,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Prefill',
-            engine_dot_rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.PrefillResponse.FromString,
+            rpc_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -392,8 +392,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Abort',
-            engine_dot_rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.AbortResponse.FromString,
+            rpc_dot_pdserve__pb2.AbortRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -419,8 +419,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/SetPeers',
-            engine_dot_rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
+            rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -446,8 +446,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/TransferInfo',
-            engine_dot_rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
+            rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -473,8 +473,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Health',
-            engine_dot_rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.HealthResponse.FromString,
+            rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -500,8 +500,8 @@ class PrefillWorker:
             request,
             target,
             '/pdserve.v1.PrefillWorker/Stats',
-            engine_dot_rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            engine_dot_rpc_dot_pdserve__pb2.StatsResponse.FromString,
+            rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
