@@ -7,7 +7,7 @@ import logging
 from decode.service import DecodeService
 from decode.worker import DecodeWorker
 from rpc import pdserve_pb2_grpc as pb_grpc
-from engine.worker_process import build_agent, build_engine, serve, worker_arguments
+from worker.process import build_agent, build_engine, serve, worker_arguments
 
 
 def main() -> None:

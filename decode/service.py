@@ -12,7 +12,7 @@ from decode.worker import DecodeWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
-from rpc.worker_service import WorkerServiceMixin
+from worker.service import WorkerServiceMixin
 from engine.scheduler import QueueFull, RequestRejected
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode.remote_prefill import Phase, RemotePrefillState, new_transfer_id, request_of, worker_is_gone
-from engine.liveness import DEFAULT_STALL_FLOOR_S
+from worker.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from rpc import auth
@@ -29,7 +29,7 @@ from rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_t
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemotePrefill, RequestRejected
 from engine.sequence import FinishReason
-from engine.worker_loop import EngineLoop
+from worker.loop import EngineLoop
 from transfer import KVReceiver, ReceiveStatus, TransferAgent
 
 log = logging.getLogger(__name__)

@@ -63,7 +63,7 @@ class PoolConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_waiting: int = 256
-    stall_timeout_s: float = 10.0  # floor of each worker's stall bound (engine/liveness.py)
+    stall_timeout_s: float = 10.0  # floor of each worker's stall bound (worker/liveness.py)
     extra_args: list[str] = field(default_factory=list)  # passed verbatim to `python -m prefill|decode`
 
     def __post_init__(self) -> None:

@@ -9,7 +9,7 @@ several bundles of one group), starts the gateway, and every health round:
   by killing its host: Ray brings the actor back, which starts a fresh process);
 - deep-checks each worker over gRPC: `Health(deep=True)` says whether its engine loop is
   making progress (a busy worker by its last completed step against its own stall bound,
-  an idle one by a probe through the loop: engine/liveness.py), so a slow, busy worker is
+  an idle one by a probe through the loop: worker/liveness.py), so a slow, busy worker is
   kept and only a wedged one (or one that does not answer) fails; `unhealthy_after`
   failures in a row and the host is restarted, with the worker's own account logged;
 - pushes the ready workers to the gateway (PUT /admin/workers, through the actor on the gateway's node to

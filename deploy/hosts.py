@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 
 from deploy.process_log import RotatingLog, log_root
-from engine.parent_watch import ENV as PARENT_ENV
+from worker.parent_watch import ENV as PARENT_ENV
 
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
 _ADMIN = re.compile(r"^admin on (\S+):(\d+)$", re.MULTILINE)

@@ -16,7 +16,7 @@ import sys
 import uvicorn
 
 from engine.model_source import resolve_model
-from engine.parent_watch import watch_parent
+from worker.parent_watch import watch_parent
 from rpc.auth import is_loopback
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app

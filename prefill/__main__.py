@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from rpc import pdserve_pb2_grpc as pb_grpc
-from engine.worker_process import build_agent, build_engine, serve, worker_arguments
+from worker.process import build_agent, build_engine, serve, worker_arguments
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker
 

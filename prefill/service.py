@@ -11,7 +11,7 @@ import grpc
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
-from rpc.worker_service import WorkerServiceMixin
+from worker.service import WorkerServiceMixin
 from engine.scheduler import QueueFull
 from prefill.worker import PrefillWorker
 

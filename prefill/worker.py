@@ -16,13 +16,13 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from engine.liveness import DEFAULT_STALL_FLOOR_S
+from worker.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from engine.sampling_params import SamplingParams
-from engine.worker_loop import EngineLoop
+from worker.loop import EngineLoop
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
 
 log = logging.getLogger(__name__)

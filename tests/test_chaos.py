@@ -55,7 +55,7 @@ def test_the_stall_fault_wedges_the_named_worker_only(tmp_path, monkeypatch):
     """An empty stall file wedges every worker (tests/test_workers.py relies on it); one that
     names workers wedges those only, so one variable can serve a whole deployment."""
     from engine import envs
-    from engine.worker_loop import EngineLoop
+    from worker.loop import EngineLoop
 
     stall = tmp_path / "stall"
     monkeypatch.setenv(envs.FAULT_STALL_FILE, str(stall))

@@ -165,7 +165,7 @@ def test_worker_args_match_the_worker_flags():
 def test_worker_args_parse_with_the_workers_own_parser():
     """The flags must be ones `python -m decode` accepts (checked in a subprocess: it imports torch)."""
     pool = PoolConfig(kv_blocks=64, threads=2, extra_args=["--local-prefill-threshold", "32"])
-    code = ("import sys; from engine.worker_process import worker_arguments; p = worker_arguments('decode');"
+    code = ("import sys; from worker.process import worker_arguments; p = worker_arguments('decode');"
             "p.add_argument('--local-prefill-threshold', type=int);"
             "a = p.parse_args(['--port', '0', *sys.argv[1:]]);"
             "print(a.kv_blocks, a.threads, a.local_prefill_threshold)")

@@ -1,4 +1,4 @@
-"""Deep health judges progress, not a probe's queueing time (engine/liveness.py).
+"""Deep health judges progress, not a probe's queueing time (worker/liveness.py).
 
 A busy worker that keeps completing steps is alive however slow its steps are; a worker
 with work whose loop completes no step for its stall bound is wedged; an idle worker is
@@ -15,10 +15,10 @@ import pytest
 
 from engine import envs
 from engine.config import CacheConfig, SchedulerConfig
-from engine.liveness import Liveness
+from worker.liveness import Liveness
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.worker_loop import EngineLoop
+from worker.loop import EngineLoop
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import wait_until
 

@@ -6,7 +6,7 @@ the queued commands, the worker's `poll` hook (transfers, RPC futures), then one
 step if there is work; with nothing to do it sleeps on the command queue for a
 millisecond, so an idle worker costs no CPU but still polls its transfers.
 
-Each completed step is recorded in `liveness` (engine/liveness.py): deep health judges a
+Each completed step is recorded in `liveness` (worker/liveness.py): deep health judges a
 busy worker by how long ago it last completed a step, against a bound derived from its
 own step times, and an idle one by a real probe through the loop.
 """
@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import envs
-from engine.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
+from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 

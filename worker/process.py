@@ -16,10 +16,10 @@ import grpc
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from engine.liveness import DEFAULT_STALL_FLOOR_S
+from worker.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
-from engine.parent_watch import watch_parent
+from worker.parent_watch import watch_parent
 from rpc import proof
 from rpc.auth import ServerAuth, internal_token, require_token_off_loopback
 from engine.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
                    help="floor of the stall bound: a worker with work that completes no step for "
-                        "max(this, 10x its longest measured step) seconds is wedged (engine/liveness.py)")
+                        "max(this, 10x its longest measured step) seconds is wedged (worker/liveness.py)")
     return p
 
 
