@@ -6,7 +6,7 @@
     pdserve bench --compare --cores 2 ...   (aggregated vs disaggregated, see bench/compare.py)
 
 Every request is a streamed POST /v1/completions whose prompt is a list of token ids (so
-its length is exact; corpus slices from bench/workload.py, tokenized with the served
+its length is exact; corpus slices from deploy/workload.py, tokenized with the served
 model's tokenizer, or --tokenizer FOLDER for a model pdserve cannot resolve, e.g. one
 served by vLLM), with max_tokens = the drawn output length, ignore_eos, temperature 0 and
 usage in the stream. The client stamps every SSE chunk that carries text:
@@ -48,7 +48,7 @@ from pathlib import Path
 # percentile, distribution and QUANTILES too: other modules import them from here
 from bench.serving_metrics import (GOOD_ATTAINMENT, QUANTILES, SLO, Load, RequestRecord, Run,  # noqa: F401
                                    Status, distribution, goodput, next_probe, percentile, summarize)
-from bench.workload import WORKLOADS, Request, poisson_arrivals, requests_from_lengths, sample_workload
+from deploy.workload import WORKLOADS, Request, poisson_arrivals, requests_from_lengths, sample_workload
 
 CLOSED_LOOP_POOL = 20  # requests drawn per stream per second of --duration in closed loop
 

@@ -98,7 +98,7 @@ def _err(sim: float, measured: float) -> str:
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="recommend a prefill/decode split from a profile (simulated goodput)")
     p.add_argument("--profile", required=True, help="from `pdserve profile`")
-    p.add_argument("--workload", default="sharegpt", help="sharegpt | fixed | long-prompt (bench/workload.py)")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt | fixed | long-prompt (deploy/workload.py)")
     p.add_argument("--input-len", type=int, help="fixed workload: prompt tokens")
     p.add_argument("--output-len", type=int, help="fixed workload: output tokens")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
@@ -125,7 +125,7 @@ def run_tune(args: argparse.Namespace) -> int:
         return 2
     if args.validate:
         return _run_validate(args, profile)
-    from bench.workload import sample_workload
+    from deploy.workload import sample_workload
 
     params = {k: v for k, v in (("input_len", args.input_len), ("output_len", args.output_len)) if v is not None}
     lengths = sample_workload(args.workload, args.requests, args.seed, **params)

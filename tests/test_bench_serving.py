@@ -15,7 +15,7 @@ import pytest
 from bench import serving
 from bench.serving import (SLO, Load, Plan, RequestRecord, Run, Status, Target, goodput, next_probe, percentile,
                            summarize)
-from bench.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
+from deploy.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
                             sample_workload, sharegpt_requests)
 from tests.test_gateway import gateway
 from tests.worker_procs import start_workers, wait_idle
