@@ -9,11 +9,11 @@ import uuid
 import grpc
 
 from decode.worker import DecodeWorker
+from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
 from worker.service import WorkerServiceMixin
-from engine.scheduler import QueueFull, RequestRejected
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ import sys
 import uvicorn
 
 from engine.model_source import resolve_model
-from worker.parent_watch import watch_parent
-from rpc.auth import is_loopback
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
-from gateway.head_deadline import with_head_timeout
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.head_deadline import with_head_timeout
 from gateway.tenants import Tenants
+from rpc.auth import is_loopback
+from worker.parent_watch import watch_parent
 
 
 def main() -> None:

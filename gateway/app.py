@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rpc import pdserve_pb2 as pb
 from engine.tokenizer import ChatTemplateError, Tokenizer
 from gateway import responses
 from gateway.admin_listener import AdminOnLoopback
@@ -35,6 +34,7 @@ from gateway.metrics import REQUESTS, TTFT, WorkerGauges
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
 from gateway.router import NoWorker, Router
 from gateway.tenants import Tenants
+from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 

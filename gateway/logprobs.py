@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rpc import pdserve_pb2 as pb
 from engine.tokenizer import Tokenizer
+from rpc import pdserve_pb2 as pb
 
 
 def render(kind: str, tokenizer: Tokenizer, entries: list[pb.TokenLogprobs]) -> dict | None:

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from rpc import pdserve_pb2 as pb
 from engine.tokenizer import Tokenizer
 from gateway.errors import APIError
 from gateway.logprobs import render as render_logprobs
 from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, TPOT
 from gateway.text_stream import TextStream
+from rpc import pdserve_pb2 as pb
 
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
 

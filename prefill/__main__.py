@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from rpc import pdserve_pb2_grpc as pb_grpc
-from worker.process import build_agent, build_engine, serve, worker_arguments
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker
+from rpc import pdserve_pb2_grpc as pb_grpc
+from worker.process import build_agent, build_engine, serve, worker_arguments
 
 
 def main() -> None:

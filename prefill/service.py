@@ -8,12 +8,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
+from engine.scheduler import QueueFull
+from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
 from worker.service import WorkerServiceMixin
-from engine.scheduler import QueueFull
-from prefill.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 

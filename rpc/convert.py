@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from rpc import pdserve_pb2 as pb
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
+from rpc import pdserve_pb2 as pb
 
 _FINISH_TO_PB = {
     None: pb.FINISH_NONE,

@@ -15,12 +15,12 @@ import pytest
 
 from engine import envs
 from engine.config import CacheConfig, SchedulerConfig
-from worker.liveness import Liveness
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from worker.loop import EngineLoop
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import wait_until
+from worker.liveness import Liveness
+from worker.loop import EngineLoop
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ import torch
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
+from rpc import pdserve_pb2 as pb
 from tests.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
 from tests.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
 
