@@ -142,7 +142,7 @@ class DecodeResult:
 
 def measure_decode(llm: LLM, cfg: ModelConfig, dtype: torch.dtype, rates: MachineRates, batch: int,
                    prompt_len: int, steps: int, seed: int = 0) -> DecodeResult:
-    """Mean `engine.step()` time over the steps where all `batch` requests decode (no prefill).
+    """Mean engine step time (schedule + execute) over the steps where all `batch` requests decode (no prefill).
 
     Each request is asked for enough tokens that at least `steps` such steps run after the
     last prefill chunk (the scheduler runs decodes first, then prefill within its budget).
@@ -161,13 +161,14 @@ def measure_decode(llm: LLM, cfg: ModelConfig, dtype: torch.dtype, rates: Machin
         while engine.has_unfinished():
             # a sequence with g tokens generated feeds its last one and attends to prompt + g
             context = prompt_len + sum(generated.values()) / batch
-            before = engine.last_step
-            deltas = engine.step()
-            step = engine.last_step
-            if step is not before and step.num_seqs == batch and step.num_tokens == batch:
-                times.append(step.seconds)
+            t0 = time.perf_counter()  # the whole step: scheduling too
+            result = engine.execute(engine.schedule())
+            seconds = time.perf_counter() - t0
+            step = result.stats
+            if step is not None and step.num_seqs == batch and step.num_tokens == batch:
+                times.append(seconds)
                 contexts.append(context)
-            for d in deltas:
+            for d in result.outputs:
                 generated[d.request_id] += len(d.token_ids)
     finally:
         for rid in rids:

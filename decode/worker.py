@@ -19,18 +19,17 @@ from dataclasses import dataclass, field
 import grpc
 
 from decode.remote_prefill import Phase, RemotePrefillState, new_transfer_id, request_of, worker_is_gone
-from worker.liveness import DEFAULT_STALL_FLOOR_S
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.llm_engine import LLMEngine, StepResult
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RemotePrefill, RequestRejected, SchedulerOutput
+from engine.sequence import FinishReason
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import finish_to_pb, logprobs_from_pb, logprobs_to_pb, params_to_pb
-from engine.sampling_params import SamplingParams
-from engine.scheduler import RemotePrefill, RequestRejected
-from engine.sequence import FinishReason
-from worker.loop import EngineLoop
 from transfer import KVReceiver, ReceiveStatus, TransferAgent
+from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +69,9 @@ class DecodeWorker(EngineLoop):
         self.kv_blocks_transferred = 0
         self._progress_failed = False
         if self.receiver is not None:
-            # A Prefill goes out in the step that reserved its blocks, before that step's
-            # forward pass, not after it (the next poll()).
-            engine.on_remote_prefills = self._start_remotes
             # NIXL progress between layers while remote KV is awaited: a prefill worker's
             # push (and so its Prefill reply) completes only when this side progresses.
-            engine.model.between_layers = self._progress_transfers
+            self.between_layers = self._progress_transfers
 
     # -- commands (run on the loop thread) -----------------------------------------------
 
@@ -83,10 +79,10 @@ class DecodeWorker(EngineLoop):
             prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
             cache_salt: str = "") -> None:
         """Admit a request (raises RequestRejected / QueueFull for the RPC to answer)."""
-        if request_id in self.remote or request_id in self.engine.scheduler.held:
+        if request_id in self.remote or self.engine.holds_blocks(request_id):
             # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
             raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
-        uncached = len(prompt) - self.engine.kv_manager.num_cached_tokens(prompt, cache_salt)
+        uncached = len(prompt) - self.engine.num_cached_tokens(prompt, cache_salt)
         remote = bool(prefill_workers) and self.agent is not None and uncached > self.local_prefill_threshold
         self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt)
         self.streams[request_id] = _Stream(out, len(prompt), params)
@@ -115,7 +111,7 @@ class DecodeWorker(EngineLoop):
         state = self.remote.get(request_id)
         self.engine.abort_request(request_id)
         if state is not None:
-            if request_id not in self.engine.scheduler.held:  # never got blocks: nothing can be written
+            if not self.engine.holds_blocks(request_id):  # never got blocks: nothing can be written
                 del self.remote[request_id]
             elif state.phase is Phase.PREFILLING:
                 self.receiver.forget(state.transfer_id)
@@ -138,13 +134,16 @@ class DecodeWorker(EngineLoop):
                 log.exception("NIXL progress between layers failed")
             self._progress_failed = True
 
-    def _start_remotes(self) -> bool:
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        """A Prefill goes out in the step that reserved its blocks, before that step's forward
+        pass, not after it."""
+        self._start_remotes(out.remote_prefills)
+
+    def _start_remotes(self, reserved: list[RemotePrefill]) -> None:
         """Send the Prefill of each request whose blocks were just reserved. One that cannot be
         sent is prefilled locally (or aborted, if its Prefill may have gone out), so it never
         strands the others or waits with its blocks reserved."""
-        started = False
-        for rp in self.engine.take_remote_prefills():
-            started = True
+        for rp in reserved:
             try:
                 self._start_remote(rp)
             except Exception as e:
@@ -155,13 +154,12 @@ class DecodeWorker(EngineLoop):
                 if state.rpc is None:  # nothing went out: nobody can be writing its blocks
                     del self.remote[state.request_id]
                     self.receiver.forget(state.transfer_id)
-                    self.engine.scheduler.remote_kv_failed(state.request_id, recompute=True)
+                    self.engine.remote_kv_failed(state.request_id)
                 else:
                     self._attempt_failed(state, f"{type(e).__name__}: {e}")
-        return started
 
     def poll(self) -> bool:
-        busy = self._start_remotes()
+        busy = False
         if self.receiver is not None:
             for ev in self.receiver.poll():
                 busy = True
@@ -176,14 +174,14 @@ class DecodeWorker(EngineLoop):
             busy |= self._poll_remote(state)
         return busy
 
-    def on_step(self, deltas: list[RequestOutput]) -> None:
-        for d in deltas:
+    def on_step(self, result: StepResult) -> None:
+        for d in result.outputs:
             self._deliver(d.request_id, d.token_ids, d.finish_reason, d.logprobs, d.num_cached_tokens)
 
     # -- remote prefill -------------------------------------------------------------------
 
     def _start_remote(self, rp: RemotePrefill) -> None:
-        if rp.seq.request_id not in self.engine.scheduler.awaiting_kv:
+        if self.engine.awaiting_kv(rp.seq.request_id) is None:
             return  # cancelled since the reservation: cancel() sent the Abort whose answer frees the blocks
         state = self.remote[rp.seq.request_id]
         state.destination_blocks = rp.destination_blocks
@@ -236,7 +234,7 @@ class DecodeWorker(EngineLoop):
         state.phase = Phase.DONE
         del self.remote[state.request_id]
         self.kv_blocks_transferred += len(state.destination_blocks)
-        update = self.engine.scheduler.remote_kv_ready(state.request_id, state.first_token)
+        update = self.engine.remote_kv_ready(state.request_id, state.first_token)
         if update is not None:
             lps = [state.first_logprobs] if state.first_logprobs is not None else None
             self._deliver(state.request_id, update.new_token_ids, update.finish_reason, lps, state.num_cached_tokens)
@@ -274,18 +272,18 @@ class DecodeWorker(EngineLoop):
 
     def _next_attempt(self, state: RemotePrefillState) -> None:
         rid = state.request_id
-        if rid not in self.engine.scheduler.awaiting_kv:  # cancelled meanwhile
+        seq = self.engine.awaiting_kv(rid)
+        if seq is None:  # cancelled meanwhile
             self.remote.pop(rid, None)
-            self.engine.scheduler.release(rid)
+            self.engine.release(rid)
             return
         if state.has_next_worker and time.monotonic() < state.deadline:
             state.attempt += 1
-            seq = self.engine.scheduler.awaiting_kv[rid]
             self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority, seq.cache_salt)
             return
         del self.remote[rid]
         log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))
-        self.engine.scheduler.remote_kv_failed(rid, recompute=True)
+        self.engine.remote_kv_failed(rid)
 
     def _channel(self, address: str) -> tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]:
         with self._channels_lock:

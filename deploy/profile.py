@@ -111,7 +111,7 @@ def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: flo
                                    SchedulerConfig(max_num_batched_tokens, 64, model_len))
     dtype = str(engine.config.dtype).removeprefix("torch.")  # what `auto` resolved to on this host
     profile = Profile(model, dtype, threads, block_size, max_num_batched_tokens,
-                      engine.kv_manager.num_total_blocks * block_size)
+                      engine.num_kv_blocks * block_size)
     vocab = engine.config.model.vocab_size
     counter = iter(range(10**9))
 
@@ -128,12 +128,13 @@ def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: flo
         steps = []
         while engine.has_unfinished():
             context = statistics.fmean(len(p) + done[r] for r, p in zip(rids, prompts))
-            before = engine.last_step
-            for out in engine.step():
+            t0 = time.perf_counter()  # the whole step: scheduling too
+            result = engine.execute(engine.schedule())
+            seconds = time.perf_counter() - t0
+            for out in result.outputs:
                 done[out.request_id] += len(out.token_ids)
-            if engine.last_step is not before:
-                s = engine.last_step
-                steps.append((s.num_seqs, s.num_tokens, s.seconds, context))
+            if result.stats is not None:
+                steps.append((result.stats.num_seqs, result.stats.num_tokens, seconds, context))
         return steps
 
     run([prompt(64)], 2)  # warm-up

@@ -1,8 +1,13 @@
-"""The in-process engine: scheduler + model runner, one `step()` at a time.
+"""The in-process engine: scheduler + model runner, one step at a time.
 
-    out = scheduler.schedule()          # which tokens of which requests, which blocks
-    result = runner.execute(out)        # tensors in, sampled token ids out
-    scheduler.update_from_output(...)   # progress, stops, frees
+    out = engine.schedule()             # which tokens of which requests, which blocks
+    result = engine.execute(out)        # forward, sample, progress, stops, frees -> StepResult
+
+`step()` is the two together, for offline use. A worker calls them apart: between the
+two it sees what the schedule reserved (`out.remote_prefills`: blocks for KV a prefill
+worker will write) and can send those prefills before this step's compute. Everything a
+worker needs from the scheduler and the KV manager is a method here; their objects stay
+inside the engine.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,7 +26,7 @@ from engine.model import CausalLM
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RemotePrefill, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput
+from engine.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import Sequence
 from engine.weights import load_weights
 
@@ -33,6 +38,52 @@ class StepStats:
     num_tokens: int
     num_seqs: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The queue and the KV pool now (plain reads: each field consistent on its own, so any
+    thread may ask)."""
+
+    num_waiting: int
+    waiting_tokens: int
+    num_running: int
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+    @property
+    def queued(self) -> int:
+        return self.num_waiting + self.num_running
+
+
+@dataclass(frozen=True)
+class ChunkRun:
+    """One request's chunk that a step ran: its blocks, how far its KV reaches now, and the
+    prompt tokens its prefix cache served."""
+
+    request_id: str
+    block_table: list[int]
+    context_len: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step did: a delta per request that produced tokens (or ended), the requests
+    it preempted, the chunks it ran, and its size and duration (None when nothing was
+    scheduled)."""
+
+    outputs: list[RequestOutput]
+    preempted: list[str]
+    stats: StepStats | None
+    chunks: list[ChunkRun] = field(default_factory=list)
+
+    @property
+    def ran(self) -> bool:
+        return self.stats is not None
 
 
 class LLMEngine:
@@ -50,13 +101,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
         self.runner = ModelRunner(model, self.kv_cache, config.device)
         self.model = model
-        self.last_step: StepStats | None = None
-        self.last_output: SchedulerOutput | None = None
-        self._remote_prefills: list[RemotePrefill] = []
-        # Called in step() after scheduling and before the forward pass when the schedule
-        # reserved blocks for remote prefills (take_remote_prefills has them), so a worker
-        # can start those prefills without waiting for this step's compute.
-        self.on_remote_prefills: Callable[[], object] | None = None
         self._probe_block = num_blocks
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
@@ -84,9 +128,9 @@ class LLMEngine:
                     priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False,
                     cache_salt: str = "") -> None:
         """Queue a request. remote_prefill: reserve blocks for KV written by a prefill worker
-        (see take_remote_prefills); hold_blocks: keep its blocks after it finishes until
-        scheduler.release() (a prefill worker pushing them). Raises RequestRejected (see
-        check_token_ids, and the scheduler's own limits)."""
+        (a schedule's `remote_prefills` names them); hold_blocks: keep its blocks after it
+        finishes until release() (a prefill worker pushing them). Raises RequestRejected
+        (see check_token_ids, and the scheduler's own limits)."""
         self.check_token_ids(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, cache_salt)
         seq.remote_prefill = remote_prefill
@@ -105,10 +149,50 @@ class LLMEngine:
                 raise RequestRejected(request_id, f"{what}: token id {bad} is not in this model's vocabulary "
                                                   f"[0, {vocab})")
 
-    def take_remote_prefills(self) -> list[RemotePrefill]:
-        """Block reservations made for remote-prefill requests since the last call."""
-        taken, self._remote_prefills = self._remote_prefills, []
-        return taken
+    # -- what workers ask of the scheduler and the KV manager --------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_manager.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks requests can use (the probe's scratch block not counted)."""
+        return self.kv_manager.num_total_blocks
+
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The one block-major KV tensor (what a transfer agent registers)."""
+        return self.kv_cache.pool
+
+    def stats(self) -> EngineStats:
+        sch, kv = self.scheduler, self.kv_manager
+        return EngineStats(sch.num_waiting, sch.waiting_tokens, sch.num_running, kv.num_free_blocks,
+                           kv.num_total_blocks, kv.block_size, kv.prefix_cache_hit_rate, sch.num_preemptions)
+
+    def num_cached_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+        """Prompt tokens the prefix cache would serve now."""
+        return self.kv_manager.num_cached_tokens(prompt_token_ids, cache_salt)
+
+    def holds_blocks(self, request_id: str) -> bool:
+        """A finished (or aborted) request whose blocks wait for release()."""
+        return request_id in self.scheduler.held
+
+    def awaiting_kv(self, request_id: str) -> Sequence | None:
+        """The sequence whose blocks are reserved for a remote prefill, if it still waits."""
+        return self.scheduler.awaiting_kv.get(request_id)
+
+    def remote_kv_ready(self, request_id: str, first_token: int) -> SequenceUpdate | None:
+        """Its KV landed and the prefill worker sampled `first_token`: it decodes from now."""
+        return self.scheduler.remote_kv_ready(request_id, first_token)
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """Its remote prefill failed with no write in flight: prefill it here instead."""
+        self.scheduler.remote_kv_failed(request_id, recompute=True)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished request held (hold_blocks, or aborted awaiting KV)."""
+        self.scheduler.release(request_id)
 
     @torch.inference_mode()
     def probe(self) -> int:
@@ -136,19 +220,25 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns a delta (new tokens) per request that produced one."""
-        t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        self._remote_prefills.extend(out.remote_prefills)
-        self.last_output = out
-        if out.remote_prefills and self.on_remote_prefills is not None:
-            try:
-                self.on_remote_prefills()
-            except Exception:  # the step goes on (the hook should handle its own failures)
-                log.exception("starting remote prefills failed")
+        """Schedule and execute one iteration; a delta (new tokens) per request that produced one."""
+        return self.execute(self.schedule()).outputs
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens and blocks (and reserve blocks for remote prefills)."""
+        return self.scheduler.schedule()
+
+    def execute(self, out: SchedulerOutput, between_layers: Callable[[], None] | None = None) -> StepResult:
+        """Run the scheduled step: forward, sample, then progress, stops and frees.
+        `between_layers`, if given, is called after each decoder layer of this step (a
+        worker's chance to make progress on transfers whose peers wait on this process)."""
         if out.is_empty:
-            return []
-        result = self.runner.execute(out)
+            return StepResult([], list(out.preempted), None)
+        t0 = time.perf_counter()
+        self.model.between_layers = between_layers
+        try:
+            result = self.runner.execute(out)
+        finally:
+            self.model.between_layers = None
         seqs = {c.seq.request_id: c.seq for c in out.chunks}
         deltas = []
         for upd in self.scheduler.update_from_output(out, result.token_ids):
@@ -162,8 +252,10 @@ class LLMEngine:
                 logprobs=[lp] if lp is not None else None,
                 num_cached_tokens=seq.num_cached_tokens,
             ))
-        self.last_step = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
-        return deltas
+        stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
+        chunks = [ChunkRun(c.seq.request_id, list(c.block_table), c.context_len, c.seq.num_cached_tokens)
+                  for c in out.chunks]
+        return StepResult(deltas, list(out.preempted), stats, chunks)
 
 
 def _with_eos(cfg: ModelConfig, extra: frozenset[int]) -> ModelConfig:

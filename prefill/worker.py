@@ -16,14 +16,13 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from worker.liveness import DEFAULT_STALL_FLOOR_S
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.llm_engine import LLMEngine, StepResult
+from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
-from engine.sampling_params import SamplingParams
-from worker.loop import EngineLoop
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
+from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker.loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class PrefillWorker(EngineLoop):
         self.name = agent.name
         self.agent = agent
         self.pusher = KVPusher(agent, default_timeout_s=push_timeout_s)
-        self.block_size = engine.kv_manager.block_size
+        self.block_size = engine.block_size
         self.requests: dict[str, _Prefill] = {}
         self.kv_blocks_transferred = 0
         # The deployment's decode agents (SetPeers, from the controller); None until the
@@ -137,9 +136,8 @@ class PrefillWorker(EngineLoop):
 
     # -- the loop's hooks ----------------------------------------------------------------
 
-    def on_step(self, deltas: list[RequestOutput]) -> None:
-        out = self.engine.last_output
-        for rid in out.preempted if out is not None else ():
+    def on_step(self, result: StepResult) -> None:
+        for rid in result.preempted:
             if rid in self.requests:
                 # Its blocks went back to the pool while pushes may still read them: its writes
                 # can no longer be trusted. Abort it; the decode worker, told once nothing is in
@@ -147,16 +145,16 @@ class PrefillWorker(EngineLoop):
                 log.info("request %s: preempted here (KV full); aborting it", rid)
                 self.abort(rid)
         now = time.monotonic()
-        step_started = now - (self.engine.last_step.seconds if self.engine.last_step else 0.0)
-        sampled = {d.request_id: d for d in deltas}
+        step_started = now - (result.stats.seconds if result.stats is not None else 0.0)
+        sampled = {d.request_id: d for d in result.outputs}
         finishing = []
-        for chunk in out.chunks if out is not None else ():
-            p = self.requests.get(chunk.seq.request_id)
+        for chunk in result.chunks:
+            p = self.requests.get(chunk.request_id)
             if p is None:
                 continue
             if p.first_chunk_at is None:  # queue time ends when its first chunk's step began
                 p.first_chunk_at = step_started
-                p.num_cached_tokens = chunk.seq.num_cached_tokens
+                p.num_cached_tokens = chunk.num_cached_tokens
             delta = sampled.get(p.request_id)
             if delta is not None:  # the prompt is done: push the rest, the partial last block too
                 p.first_token = delta.token_ids[0]
@@ -183,7 +181,7 @@ class PrefillWorker(EngineLoop):
             p = self.requests.pop(ev.request_id, None)
             if ev.status is not PushStatus.DONE:  # failed before its prompt was done: stop computing it,
                 self.engine.abort_request(ev.request_id)  # or its blocks would be held when it finishes
-            self.engine.scheduler.release(ev.request_id)
+            self.engine.release(ev.request_id)
             if p is None:
                 continue
             if ev.status is PushStatus.DONE:

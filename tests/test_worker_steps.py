@@ -19,16 +19,16 @@ from types import SimpleNamespace
 import pytest
 
 import prefill.worker as prefill_worker
+from decode.remote_prefill import Phase
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from rpc import pdserve_pb2 as pb
 from engine.sampling_params import SamplingParams
-from decode.remote_prefill import Phase
+from rpc import pdserve_pb2 as pb
 from tests.fake_nixl import fake_agent
-from transfer.messages import Notification, NotifKind
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import wait_until
+from transfer.messages import Notification, NotifKind
 
 BLOCK = 16
 BUDGET = 32  # tokens per step: longer prompts are prefilled in chunks
@@ -81,10 +81,10 @@ def test_a_prefill_goes_out_before_the_forward_pass_and_transfers_progress_durin
     engine.runner.execute = watched
     worker.add("local", [5, 6, 7], SamplingParams(temperature=0, max_tokens=8), 0, [], out, 5.0)
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 5.0)
-    engine.step()  # reserves r's blocks, and prefills "local" beside it
+    worker.step()  # reserves r's blocks, and prefills "local" beside it
     assert sent_before_compute == [True]
     polls = agent.polls
-    engine.step()  # "local" decodes while r's KV is awaited
+    worker.step()  # "local" decodes while r's KV is awaited
     assert agent.polls - polls == engine.model.cfg.num_layers
     worker.cancel("r")
     worker.cancel("local")
@@ -95,13 +95,14 @@ def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(mod
     (before poll() sends the Prefill) used to raise KeyError in poll(), ending the loop thread."""
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
-    engine.on_remote_prefills = None  # the gap this test is about: the Prefill waits for poll()
     out: queue.SimpleQueue = queue.SimpleQueue()
     dead = "127.0.0.1:1"  # nothing listens: the Abort fails UNAVAILABLE, so nothing can be writing
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, [dead], out, 5.0)
-    engine.step()  # reserves the prompt's blocks for the remote prefill
-    worker.cancel("r")
+    scheduled = engine.schedule()  # reserves the prompt's blocks for the remote prefill
+    worker.cancel("r")  # the gap this test is about: the cancel comes before the Prefill goes out
     assert out.get_nowait().finish_reason == pb.ABORT
+    worker.on_scheduled(scheduled)
+    engine.execute(scheduled)
 
     def aborted() -> bool:
         worker.poll()  # what the loop would do next: before the fix, KeyError here
@@ -124,11 +125,11 @@ def test_a_push_that_fails_mid_prompt_stops_the_prefill_and_frees_its_blocks(mod
     req = pb.PrefillRequest(request_id="r", prompt_token_ids=prompt, destination=destination)
     reply: Future = Future()
     worker.add(req, SamplingParams(temperature=0, max_tokens=4), reply, timeout_s=0.2)
-    worker.on_step(engine.step())  # the first chunk is computed, and its blocks pushed
+    worker.step()  # the first chunk is computed, and its blocks pushed
     time.sleep(0.3)
     assert worker.poll() and reply.result(0).error.code == pb.KV_TRANSFER_FAILED
     while engine.has_unfinished():
-        worker.on_step(engine.step())
+        worker.step()
     assert not engine.scheduler.held
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
 
@@ -150,12 +151,12 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
         return send(state, *args)
 
     worker._send_prefill = first_fails
-    engine.step()  # reserves both; the hook sends them
+    worker.step()  # reserves both; the hook sends them
     assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
     assert worker.remote["b"].rpc is not None
     worker.cancel("b")
     while engine.has_unfinished():  # "a" is prefilled and decoded here
-        worker.on_step(engine.step())
+        worker.step()
     tokens = []
     while not out.empty():
         msg = out.get_nowait()
@@ -177,9 +178,10 @@ def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_ar
                                 destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(6))))
         replies[rid] = Future()
         worker.add(req, SamplingParams(temperature=0, max_tokens=4), replies[rid], timeout_s=30.0)
-    while "second" not in engine.last_output.preempted if engine.last_output else True:
+    preempted: list[str] = []
+    while "second" not in preempted:
         worker.poll()
-        worker.on_step(engine.step())
+        preempted = worker.step().preempted
     second_writes = [x for x in agent.nixl.made if x.state == "PROC"]
     assert second_writes and not replies["second"].done()  # its writes are still in flight
     for _ in range(3):  # complete every write, the ones posted after earlier ones too
@@ -236,7 +238,7 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     out: queue.SimpleQueue = queue.SimpleQueue()
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0,
                ["127.0.0.1:1", "127.0.0.1:2"], out, 30.0)
-    engine.step()  # reserves r's blocks and sends attempt 1
+    worker.step()  # reserves r's blocks and sends attempt 1
     state = worker.remote["r"]
     first = state.transfer_id
     assert sent[-1].transfer_id == first and first.startswith("r.0.")

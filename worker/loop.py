@@ -22,9 +22,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import envs
+from engine.llm_engine import LLMEngine, StepResult
+from engine.scheduler import SchedulerOutput
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ class EngineLoop:
         self._probe: Future | None = None  # the probe in flight: concurrent deep checks share it
         self._probe_lock = threading.Lock()
         self.num_probes = 0  # probes the loop ran (a flood of deep checks runs few)
+        self.last_step_seconds = 0.0  # the engine's own time for the last step that ran
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -55,8 +56,26 @@ class EngineLoop:
         """Called every iteration on the loop thread; return True if it did work."""
         return False
 
-    def on_step(self, deltas: list[RequestOutput]) -> None:
-        """Called on the loop thread with each step's per-request deltas."""
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        """Called on the loop thread after a step is scheduled and before it runs (what it
+        reserved for remote prefills is in `out.remote_prefills`)."""
+
+    def on_step(self, result: StepResult) -> None:
+        """Called on the loop thread with what each step did."""
+
+    # Called after each decoder layer of a step when set (EngineLoop passes it to execute).
+    between_layers: Callable[[], None] | None = None
+
+    def step(self) -> StepResult:
+        """One engine step with this worker's hooks (what each loop iteration runs)."""
+        _, result = self._schedule_and_execute()
+        self.on_step(result)
+        return result
+
+    def _schedule_and_execute(self) -> tuple[SchedulerOutput, StepResult]:
+        out = self.engine.schedule()
+        self.on_scheduled(out)
+        return out, self.engine.execute(out, self.between_layers)
 
     # -- other threads --------------------------------------------------------------------
 
@@ -89,7 +108,7 @@ class EngineLoop:
             return Verdict(False, False, self.liveness.age_s(), self.liveness.bound_s, self.liveness.longest_step_s,
                            0, "the engine loop thread is not running")
         if e.has_unfinished():
-            verdict = self.liveness.judge_busy(e.scheduler.num_waiting + e.scheduler.num_running)
+            verdict = self.liveness.judge_busy(e.stats().queued)
         else:
             try:
                 self._shared_probe().result(timeout=max(0.05, timeout_s))
@@ -193,11 +212,12 @@ class EngineLoop:
         busy |= self.poll()
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
-            deltas = self.engine.step()
-            last = self.engine.last_output
-            self.liveness.stepped(self._stretch(t0), last.num_tokens if last is not None else 0)
-            busy |= bool(deltas) or bool(self.engine.last_output and not self.engine.last_output.is_empty)
-            self.on_step(deltas)
+            out, result = self._schedule_and_execute()
+            self.liveness.stepped(self._stretch(t0), out.num_tokens)
+            if result.stats is not None:
+                self.last_step_seconds = result.stats.seconds
+            busy |= result.ran or bool(result.outputs)
+            self.on_step(result)
         return busy
 
     def _drain(self) -> bool:

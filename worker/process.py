@@ -16,14 +16,14 @@ import grpc
 import torch
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-from worker.liveness import DEFAULT_STALL_FLOOR_S
 from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
-from worker.parent_watch import watch_parent
+from engine.tokenizer import Tokenizer
 from rpc import proof
 from rpc.auth import ServerAuth, internal_token, require_token_off_loopback
-from engine.tokenizer import Tokenizer
 from transfer import KVLayout, TransferAgent, agent_name
+from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker.parent_watch import watch_parent
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: s
     if args.no_transfer:
         return None
     incarnation = args.incarnation if args.incarnation is not None else int(time.time() * 1000)
-    pool = engine.kv_cache.pool
+    pool = engine.kv_pool
     return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model)
 
 

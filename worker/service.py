@@ -35,12 +35,12 @@ class WorkerServiceMixin:
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Plain reads of counters the loop thread updates: each is consistent on its own.
-        w, e = self.worker, self.worker.engine
+        w, e = self.worker, self.worker.engine.stats()
         return pb.StatsResponse(
-            worker=w.name, waiting_requests=e.scheduler.num_waiting, waiting_tokens=e.scheduler.waiting_tokens,
-            running_requests=e.scheduler.num_running, free_blocks=e.kv_manager.num_free_blocks,
-            total_blocks=e.kv_manager.num_total_blocks, prefix_cache_hit_rate=e.kv_manager.prefix_cache_hit_rate,
-            step_seconds=e.last_step.seconds if e.last_step else 0.0, preemptions=e.scheduler.num_preemptions,
-            kv_blocks_transferred=w.kv_blocks_transferred, block_size=e.kv_manager.block_size,
+            worker=w.name, waiting_requests=e.num_waiting, waiting_tokens=e.waiting_tokens,
+            running_requests=e.num_running, free_blocks=e.free_blocks,
+            total_blocks=e.total_blocks, prefix_cache_hit_rate=e.prefix_cache_hit_rate,
+            step_seconds=w.last_step_seconds, preemptions=e.num_preemptions,
+            kv_blocks_transferred=w.kv_blocks_transferred, block_size=e.block_size,
             prefill_tokens_per_s=w.liveness.prefill_tokens_per_s, deep_probes=w.num_probes,
         )
