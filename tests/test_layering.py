@@ -54,3 +54,21 @@ def test_the_engine_package_is_the_engine_only():
     assert not (REPO / "engine" / "rpc").exists()
     names = {p.stem for p in (REPO / "engine").glob("*.py")}
     assert not names & {"worker_loop", "worker_process", "parent_watch", "liveness"}, names
+
+
+INTERNALS = {"scheduler", "kv_manager", "model", "runner", "kv_cache"}
+
+
+def test_nothing_outside_the_engine_reaches_into_it():
+    """Workers, the gateway, deploy and the benchmarks use LLMEngine's methods, never its
+    scheduler, KV manager, model, runner or KV cache objects (`<...>.engine.<internal>`)."""
+    wrong = []
+    for package in sorted(set(ALLOWED) - {"engine", "kernels"}) + ["bench"]:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute) and node.attr in INTERNALS:
+                    owner = node.value
+                    if (isinstance(owner, ast.Name) and owner.id == "engine") or \
+                            (isinstance(owner, ast.Attribute) and owner.attr == "engine"):
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} .engine.{node.attr}")
+    assert not wrong, "\n".join(wrong)
