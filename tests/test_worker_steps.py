@@ -143,14 +143,14 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
     params = SamplingParams(temperature=0, max_tokens=4)
     worker.add("a", list(range(3, 43)), params, 0, ["127.0.0.1:1"], out, 5.0)
     worker.add("b", list(range(50, 90)), params, 0, ["127.0.0.1:1"], out, 5.0)
-    send = worker._send_prefill
+    send = worker.remote._send_prefill
 
     def first_fails(state, *args):
         if state.request_id == "a":
             raise RuntimeError("channel refused")
         return send(state, *args)
 
-    worker._send_prefill = first_fails
+    worker.remote._send_prefill = first_fails
     worker.step()  # reserves both; the hook sends them
     assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
     assert worker.remote["b"].rpc is not None
@@ -232,7 +232,7 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     agent.poll_notifications = lambda: [inbox.pop(0) for _ in range(len(inbox))]
     worker = DecodeWorker(engine, "decode-test", agent)
     sent = []
-    monkeypatch.setattr(worker, "_stub", lambda address: SimpleNamespace(
+    monkeypatch.setattr(worker.remote, "_stub", lambda address: SimpleNamespace(
         Prefill=SimpleNamespace(future=lambda req, timeout: sent.append(req) or _Pending()),
         Abort=SimpleNamespace(future=lambda req, timeout: _Pending())))
     out: queue.SimpleQueue = queue.SimpleQueue()
@@ -243,7 +243,7 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     first = state.transfer_id
     assert sent[-1].transfer_id == first and first.startswith("r.0.")
     state.attempt += 1  # attempt 1 failed and was confirmed aborted: attempt 2 goes out
-    worker._send_prefill(state, list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, "")
+    worker.remote._send_prefill(state, list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, "")
     second = state.transfer_id
     assert second != first and sent[-1].transfer_id == second
     inbox += [Notification("prefill-0-1", NotifKind.ABORT, first), Notification("prefill-0-1", NotifKind.DONE, first, 3),
