@@ -4,7 +4,8 @@ It places each worker in a placement group of its own (one bundle with the pool'
 resources, so a pool grows and shrinks one worker at a time and a TP group can later be
 several bundles of one group), starts the gateway, and every health round:
 
-- reads each host actor's `info()`: a host Ray is restarting, or whose worker process died,
+- reads each host actor's `info()` (a HostReport; states and reports: deploy/slot.py, the
+  decisions they lead to: deploy/health.py): a host Ray is restarting, or whose worker process died,
   is out of the membership until its new incarnation is ready (a dead process is restarted
   by killing its host: Ray brings the actor back, which starts a fresh process);
 - deep-checks each worker over gRPC: `Health(deep=True)` says whether its engine loop is
@@ -27,17 +28,18 @@ import os
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 import grpc
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy.config import DeployConfig, PoolConfig
+from deploy.health import Action, judge_health, judge_report
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
 from deploy.planner_loop import PlannerLoop
 from deploy.simulator import Pools
+from deploy.slot import Slot, SlotState
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -47,28 +49,6 @@ log = logging.getLogger(__name__)
 
 NAME, NAMESPACE = "pdserve-controller", "pdserve"
 PLACEMENT_TIMEOUT_S = 60.0  # a bundle the cluster cannot place in this time is an error
-
-
-@dataclass
-class Slot:
-    """One worker of a pool: its placement group, host actor and what the last round saw."""
-
-    role: str
-    worker_id: str
-    pg: PlacementGroup
-    host: ray.actor.ActorHandle
-    state: str = "starting"  # starting | ready | restarting | draining
-    address: str = ""
-    incarnation: int = 0
-    node_id: str = ""
-    failures: int = 0  # deep-health failures in a row
-    restarts: int = 0
-    info: dict = field(default_factory=dict)
-
-    def public(self) -> dict:
-        return {"role": self.role, "worker_id": self.worker_id, "state": self.state, "address": self.address,
-                "incarnation": self.incarnation, "node_id": self.node_id, "restarts": self.restarts,
-                "pid": self.info.get("pid"), "host_pid": self.info.get("host_pid"), "log": self.info.get("log")}
 
 
 class Controller:
@@ -132,7 +112,7 @@ class Controller:
                     self.pools[slot.role].append(slot)
             except Exception:
                 for slot in new:
-                    if slot.state != "ready":
+                    if slot.state is not SlotState.READY:
                         self._remove(slot)
                 raise
             finally:
@@ -142,7 +122,7 @@ class Controller:
                 while target is not None and len(self.pools[role]) > target:
                     leaving.append(self.pools[role].pop())  # the newest first
             for slot in leaving:
-                slot.state = "draining"
+                slot.state = SlotState.DRAINING
                 self.draining.append(slot)
             if leaving:
                 self._push_membership()  # out of routing now; the rounds go on while they drain
@@ -203,9 +183,9 @@ class Controller:
     def _wait_ready(self, slot: Slot) -> None:
         slot.address = ray.get(slot.host.ready.remote(self.config.ready_timeout_s),
                                timeout=self.config.ready_timeout_s + 30)
-        slot.info = ray.get(slot.host.info.remote(), timeout=30)
-        slot.incarnation, slot.node_id = slot.info["incarnation"], slot.info["node_id"]
-        slot.state = "ready"
+        slot.report = ray.get(slot.host.info.remote(), timeout=30)
+        slot.incarnation, slot.node_id = slot.report.incarnation, slot.report.node_id
+        slot.state = SlotState.READY
         self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
 
     def _drain(self, slot: Slot) -> None:
@@ -253,46 +233,43 @@ class Controller:
                 log.exception("health round failed")
 
     def _round(self) -> None:
-        for slot in [s for pool in self.pools.values() for s in pool if s.state != "draining"]:
+        for slot in [s for pool in self.pools.values() for s in pool if s.state is not SlotState.DRAINING]:
             self._check(slot)
         self._check_gateway()
         self._push_membership()
 
     def _check(self, slot: Slot) -> None:
         try:
-            info = ray.get(slot.host.info.remote(), timeout=10)
+            report = ray.get(slot.host.info.remote(), timeout=10)
         except Exception:  # the actor died: Ray is restarting it
-            if slot.state != "restarting":
+            report = None
+        decision = judge_report(slot, report)
+        if decision.action is Action.HOST_LOST:
+            if slot.state is not SlotState.RESTARTING:
                 self._event(f"{slot.role} worker {slot.worker_id}: host actor lost, Ray restarts it")
-                slot.state = "restarting"
-            return
-        if info["incarnation"] != slot.incarnation:  # a restarted host: a new process
-            if not info["address"]:
-                slot.state = "restarting"
-                if not info["alive"]:  # the new process died too: another incarnation
-                    self._restart(slot, "its new process exited")
-                else:
-                    _quietly(lambda: ray.get(slot.host.ready.remote(0.5), timeout=10))
-                return
-            slot.info, slot.address, slot.incarnation = info, info["address"], info["incarnation"]
-            slot.node_id, slot.failures, slot.state = info["node_id"], 0, "ready"
+                slot.state = SlotState.RESTARTING
+        elif decision.action is Action.WAIT:
+            slot.state = SlotState.RESTARTING
+            _quietly(lambda: ray.get(slot.host.ready.remote(0.5), timeout=10))
+        elif decision.action is Action.ADOPT:
+            slot.report, slot.address, slot.incarnation = report, report.address, report.incarnation
+            slot.node_id, slot.failures, slot.state = report.node_id, 0, SlotState.READY
             slot.restarts += 1
             self._event(f"{slot.role} worker {slot.worker_id}: incarnation {slot.incarnation} ready on "
                         f"{slot.address}")
-            return
-        if not info["alive"]:
-            self._restart(slot, "its process exited")
-            return
-        if self._healthy(slot):
+        elif decision.action is Action.RESTART:
+            self._restart(slot, decision.why)
+        elif self._healthy(slot):
             slot.failures = 0
-            return
-        slot.failures += 1
-        if slot.failures >= self.config.unhealthy_after:
-            self._restart(slot, f"failed deep health {slot.failures} times in a row")
+        else:
+            slot.failures += 1
+            decision = judge_health(slot.failures, self.config.unhealthy_after)
+            if decision.action is Action.RESTART:
+                self._restart(slot, decision.why)
 
     def _restart(self, slot: Slot, why: str) -> None:
         self._event(f"{slot.role} worker {slot.worker_id}: {why}; replacing it with a new incarnation")
-        slot.state, slot.failures = "restarting", 0
+        slot.state, slot.failures = SlotState.RESTARTING, 0
         self.channels.pop(slot.address, None)
         ray.kill(slot.host, no_restart=False)  # Ray restarts the actor, which starts a fresh process
 
@@ -377,8 +354,8 @@ class Controller:
         """Every ready prefill worker learns the deployment's decode agents (the ready ones and
         those still draining): the only destinations its KV may go to."""
         agents = [agent_name("decode", s.worker_id, s.incarnation) for s in [*self.pools["decode"], *self.draining]
-                  if s.role == "decode" and s.state in ("ready", "draining")]
-        for slot in [s for s in self.pools["prefill"] if s.state == "ready"]:
+                  if s.role == "decode" and s.state in (SlotState.READY, SlotState.DRAINING)]
+        for slot in [s for s in self.pools["prefill"] if s.state is SlotState.READY]:
             try:
                 pb_grpc.PrefillWorkerStub(self._channel(slot.address)).SetPeers(
                     pb.SetPeersRequest(decode_agents=agents), timeout=self.config.health_timeout_s)
@@ -391,7 +368,7 @@ class Controller:
         self._push_peers()
         if self.gateway is None:
             return
-        ready = {role: [s.address for s in slots if s.state == "ready"] for role, slots in self.pools.items()}
+        ready = {role: [s.address for s in slots if s.state is SlotState.READY] for role, slots in self.pools.items()}
         try:  # through the actor on the gateway's node: the admin socket listens on its loopback only
             failed = ray.get(self.gateway.push_membership.remote(ready["decode"], ready["prefill"]), timeout=30)
         except Exception as e:  # the actor is restarting: the next round pushes again

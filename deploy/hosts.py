@@ -23,6 +23,7 @@ from pathlib import Path
 import ray
 
 from deploy.process_log import RotatingLog, log_root
+from deploy.slot import HostReport
 from worker.parent_watch import ENV as PARENT_ENV
 
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
@@ -96,10 +97,9 @@ class WorkerHost:
                 time.sleep(0.1)
         return self.address
 
-    def info(self) -> dict:
-        return {"address": self.address, "alive": self.process.alive(), "pid": self.process.proc.pid,
-                "host_pid": os.getpid(), "incarnation": self.incarnation,
-                "node_id": ray.get_runtime_context().get_node_id(), "log": str(self.process.log_path)}
+    def info(self) -> HostReport:
+        return HostReport(self.address, self.process.alive(), self.process.proc.pid, os.getpid(), self.incarnation,
+                          ray.get_runtime_context().get_node_id(), str(self.process.log_path))
 
     def stop(self) -> int:
         return self.process.stop()

@@ -1,0 +1,37 @@
+"""The controller's health decisions (deploy/health.py), from host reports alone."""
+
+from __future__ import annotations
+
+from deploy.health import Action, judge_health, judge_report
+from deploy.slot import HostReport, Slot, SlotState
+
+
+def _slot(incarnation: int = 5) -> Slot:
+    return Slot("decode", "0", pg=None, host=None, state=SlotState.READY, address="127.0.0.1:1", incarnation=incarnation)
+
+
+def _report(incarnation: int = 5, address: str = "127.0.0.1:1", alive: bool = True) -> HostReport:
+    return HostReport(address, alive, 100, 99, incarnation, "node", "/log")
+
+
+def test_each_report_leads_to_one_decision():
+    assert judge_report(_slot(), None).action is Action.HOST_LOST
+    assert judge_report(_slot(), _report()).action is Action.CHECK
+    died = judge_report(_slot(), _report(alive=False))
+    assert died.action is Action.RESTART and "process exited" in died.why
+    assert judge_report(_slot(), _report(incarnation=6, address="")).action is Action.WAIT
+    assert judge_report(_slot(), _report(incarnation=6, address="127.0.0.1:2")).action is Action.ADOPT
+    again = judge_report(_slot(), _report(incarnation=6, address="", alive=False))
+    assert again.action is Action.RESTART and "new process" in again.why
+
+
+def test_a_worker_is_replaced_only_after_unhealthy_after_failures_in_a_row():
+    assert [judge_health(n, 3).action for n in (1, 2, 3, 4)] == [Action.NONE, Action.NONE, Action.RESTART,
+                                                                 Action.RESTART]
+
+
+def test_the_status_shows_states_as_their_names():
+    slot = _slot()
+    slot.report = _report()
+    assert slot.public()["state"] == "ready" and slot.public()["pid"] == 100
+    assert _slot().public()["pid"] is None
