@@ -1,14 +1,16 @@
 """A request's answer, from the decode worker's Generate stream to OpenAI's response body.
 
-`generate_events` turns the stream into event dicts (each engine step's text, then usage;
-or an error) and records the request's metrics; `sse` frames them as SSE chunks when the
-client streams, `collect` joins them into one JSON object when it does not."""
+`generate_events` turns the stream into typed events (each engine step's text, then the
+usage; or an error) and records the request's metrics when it ends, however it ends (its
+reader may stop at an error, or the client may leave); `sse` frames the events as SSE
+chunks when the client streams, `collect` joins them into one JSON object when it does not."""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,46 +24,82 @@ from rpc import pdserve_pb2 as pb
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
 
 
+@dataclass(frozen=True)
+class Text:
+    """New text of one engine step (and, on the last, why it ended)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Usage:
+    usage: dict
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The stream broke: the error object OpenAI clients read."""
+
+    error: dict
+
+
+Event = Text | Usage | Failed
+
+
 async def generate_events(kind, body, rid, call, first, prompt_len, started, first_at, endpoint,
-                          tokenizer: Tokenizer) -> AsyncIterator[dict]:
-    """Each engine step's text as an event dict; the last carries finish_reason and usage."""
+                          tokenizer: Tokenizer) -> AsyncIterator[Event]:
+    """Each engine step's text as an event; the last carries finish_reason, then the usage."""
     text = TextStream(tokenizer, body.stop or [])
-    msg, completion_tokens, status = first, 0, "ok"
-    while True:
-        completion_tokens += len(msg.token_ids)
-        delta = text.push(list(msg.token_ids))
-        finish = _FINISH.get(msg.finish_reason)
-        if text.stopped:
-            finish = "stop"
-        elif finish is not None:
-            delta += text.finish()
-        if msg.error.code != pb.ERROR_NONE:
-            status = "error"
-            yield {"error": {"message": msg.error.message, "type": "server_error", "param": None,
-                             "code": pb.ErrorCode.Name(msg.error.code)}}
-            break
-        if delta or finish:
-            yield {"text": delta, "finish_reason": finish, "logprobs": list(msg.logprobs)}
-        if finish is not None:
-            usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
-                     "total_tokens": prompt_len + completion_tokens}
-            if msg.usage.cached_prompt_tokens:
-                usage["prompt_tokens_details"] = {"cached_tokens": msg.usage.cached_prompt_tokens}
-            yield {"usage": usage}
-            break
-        try:
-            msg = await call.read()
-        except grpc.RpcError as e:
-            status = "error"
-            yield {"error": {"message": f"decode worker failed mid-stream ({e.code().name})",
-                             "type": "server_error", "param": None, "code": None}}
-            break
-        if msg is grpc.aio.EOF:
-            status = "error"
-            yield {"error": {"message": "decode worker ended the stream early", "type": "server_error",
-                             "param": None, "code": None}}
-            break
+    msg, completion_tokens, status = first, 0, "cancelled"  # until it ends on its own
+    try:
+        while True:
+            completion_tokens += len(msg.token_ids)
+            delta = text.push(list(msg.token_ids))
+            finish = _FINISH.get(msg.finish_reason)
+            if text.stopped:
+                finish = "stop"
+            elif finish is not None:
+                delta += text.finish()
+            if msg.error.code != pb.ERROR_NONE:
+                status = "error"
+                yield Failed({"message": msg.error.message, "type": "server_error", "param": None,
+                              "code": pb.ErrorCode.Name(msg.error.code)})
+                return
+            if delta or finish:
+                yield Text(delta, finish, list(msg.logprobs))
+            if finish is not None:
+                status = "ok"
+                usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_len + completion_tokens}
+                if msg.usage.cached_prompt_tokens:
+                    usage["prompt_tokens_details"] = {"cached_tokens": msg.usage.cached_prompt_tokens}
+                yield Usage(usage)
+                return
+            try:
+                msg = await call.read()
+            except grpc.RpcError as e:
+                status = "error"
+                yield Failed({"message": f"decode worker failed mid-stream ({e.code().name})",
+                              "type": "server_error", "param": None, "code": None})
+                return
+            if msg is grpc.aio.EOF:
+                status = "error"
+                yield Failed({"message": "decode worker ended the stream early", "type": "server_error",
+                              "param": None, "code": None})
+                return
+    finally:  # however it ends: its own end, an error its reader stopped at, or a client gone
+        _record(endpoint, status, started, first_at, prompt_len, completion_tokens)
+
+
+def _record(endpoint: str, status: str, started: float, first_at: float, prompt_len: int,
+            completion_tokens: int) -> None:
+    """The request's outcome: ok, error, or cancelled (the client left before the end: no
+    latency is recorded for it)."""
     REQUESTS.labels(endpoint, status).inc()
+    if status == "cancelled":
+        return
     now = time.monotonic()
     E2E.observe(now - started)
     if status == "ok":  # what the planner reads: the load and its latencies
@@ -71,7 +109,7 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
             TPOT.observe((now - first_at) / (completion_tokens - 1))
 
 
-async def sse(kind: str, rid: str, body, events: AsyncIterator[dict], model_name: str,
+async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_name: str,
               tokenizer: Tokenizer) -> AsyncIterator[bytes]:
     """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""
     base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -79,37 +117,36 @@ async def sse(kind: str, rid: str, body, events: AsyncIterator[dict], model_name
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     first = True
     async for ev in events:
-        if "error" in ev:
-            yield _data(ev)
+        if isinstance(ev, Failed):
+            yield _data({"error": ev.error})
             break
-        if "usage" in ev:
+        if isinstance(ev, Usage):
             if include_usage:
-                yield _data({**base, "choices": [], "usage": ev["usage"]})
+                yield _data({**base, "choices": [], "usage": ev.usage})
             continue
+        logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
         if kind == "chat":
-            delta = {"role": "assistant", "content": ev["text"]} if first else {"content": ev["text"]}
-            choice = {"index": 0, "delta": delta, "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
-                      "finish_reason": ev["finish_reason"]}
+            delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         else:
-            choice = {"index": 0, "text": ev["text"], "logprobs": render_logprobs(kind, tokenizer, ev["logprobs"]),
-                      "finish_reason": ev["finish_reason"]}
+            choice = {"index": 0, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         first = False
         yield _data({**base, "choices": [choice]})
     yield b"data: [DONE]\n\n"
 
 
-async def collect(kind, events: AsyncIterator[dict], rid, body, model_name: str, tokenizer: Tokenizer) -> dict:
+async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer) -> dict:
     """The whole answer as one chat.completion / text_completion object; an error event is a 503."""
     text, finish, usage, logprobs = [], None, None, []
     async for ev in events:
-        if "error" in ev:
-            raise APIError(503, ev["error"]["message"])
-        if "usage" in ev:
-            usage = ev["usage"]
+        if isinstance(ev, Failed):
+            raise APIError(503, ev.error["message"])
+        if isinstance(ev, Usage):
+            usage = ev.usage
         else:
-            text.append(ev["text"])
-            logprobs += ev["logprobs"]
-            finish = ev["finish_reason"] or finish
+            text.append(ev.text)
+            logprobs += ev.logprobs
+            finish = ev.finish_reason or finish
     content = "".join(text)
     if kind == "completion" and body.echo and isinstance(body.prompt, str):
         content = body.prompt + content

@@ -323,6 +323,33 @@ def tenant_gateway(system, smollm2_dir, tmp_path_factory):
     assert b"key-a" not in (folder / "gateway.log").read_bytes()  # keys are never logged
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_before_its_first_byte_gives_back_its_tenant_slot(tenant_gateway, stream):
+    """Tenant a may have 1 request at a time. A client of a's that sends a request and hangs
+    up at once (before any byte of the answer) must not keep that slot: a's next requests
+    are served, not refused 429 for good."""
+    url = tenant_gateway
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 64,
+                       "stream": stream}).encode()
+    for _ in range(3):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall((f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer key-a\r\n"
+                       f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body)
+        time.sleep(0.3)
+
+    def served() -> bool:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": "Bearer key-a"},
+                       json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code in (200, 429), r.text
+        return r.status_code == 200
+
+    deadline = time.monotonic() + 60  # a bound for the abandoned requests to unwind, not a speed
+    while not served():
+        assert time.monotonic() < deadline, "tenant a's slot was never given back"
+        time.sleep(0.5)
+
+
 def test_one_tenants_prefix_cache_is_invisible_to_another(tenant_gateway):
     """Tenant a's prompt is cached for a (its second send reports cached tokens), but tenant
     b sending the very same prompt finds nothing: b cannot probe what a's prompts began with.
@@ -514,3 +541,34 @@ def test_an_open_gateway_refuses_a_non_loopback_bind_unless_told(system, smollm2
         gw.terminate()
         out, _ = gw.communicate(timeout=10)
     assert "with no API keys" in out  # warned, loudly
+
+
+def _count(metrics: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    line = next((ln for ln in metrics.splitlines() if ln.startswith(f"{name}{{{want}}}" if want else f"{name} ")), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_a_stream_that_breaks_is_counted_as_an_error_with_its_latency(system, smollm2_dir, tmp_path):
+    """The decode worker dies mid-stream: the client gets its error event, and /metrics
+    counts the request as status="error" with its end-to-end time (the stream's reader stops
+    at the error, so the count cannot wait for the stream to be read to its end)."""
+    _, prefill, _ = system
+    (doomed,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [doomed.address], [prefill.address], tmp_path / "gateway.log") as url:
+            before = httpx.get(f"{url}/metrics", timeout=30).text
+            body = {"model": "smollm2", "messages": CHAT, "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
+                lines = _data_lines(resp.iter_lines())
+                next(lines)
+                doomed.kill()
+                rest = list(lines)
+            assert "mid-stream" in rest[-2]
+            after = httpx.get(f"{url}/metrics", timeout=30).text
+            assert _count(after, "pdserve_requests_total", endpoint="chat", status="error") == \
+                _count(before, "pdserve_requests_total", endpoint="chat", status="error") + 1, after
+            assert _count(after, "pdserve_e2e_seconds_count") == _count(before, "pdserve_e2e_seconds_count") + 1
+    finally:
+        doomed.stop()
+

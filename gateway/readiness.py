@@ -1,0 +1,82 @@
+"""What the gateway knows of its workers: deep health rounds (the router skips workers that
+fail them) and Stats (KV headroom for routing, measured capacity for admission, gauges for
+/metrics). One round at a time: callers that come while one runs share its result, so a
+flood of /ready or /metrics costs the workers one round, not one each."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+from gateway.admission import Admission
+from gateway.backend import Backend
+from gateway.metrics import WorkerGauges
+from gateway.router import Router
+from rpc import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Readiness:
+    def __init__(self, router: Router, backend: Backend, admission: Admission, interval_s: float):
+        self.router, self.backend, self.admission, self.interval_s = router, backend, admission, interval_s
+        self.gauges = WorkerGauges()
+        self.checked_at, self.ok = -math.inf, False  # never checked: stale
+        self._in_flight: dict[str, asyncio.Task] = {}
+
+    def stale(self) -> None:
+        """The membership changed: the next /ready checks the new members."""
+        self.checked_at = -math.inf
+
+    async def ready(self) -> bool:
+        """Ready: some decode worker (and, with a prefill pool, some prefill worker) passes
+        deep health, as of at most one interval ago."""
+        if time.monotonic() - self.checked_at > self.interval_s:
+            await self._shared("health", self._refresh)
+        return self.ok
+
+    async def observe(self) -> None:
+        """Stats only (counters, no forward pass): routing's headroom and the gauges."""
+        self._observe_stats(await self._shared("stats", self.backend.all_stats))
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._shared("health", self._refresh)
+            except Exception:  # never let the loop die; the next round tries again
+                log.exception("health check round failed")
+
+    async def _shared(self, name: str, fn):
+        task = self._in_flight.get(name)
+        if task is None or task.done():
+            task = self._in_flight[name] = asyncio.create_task(fn())
+        return await asyncio.shield(task)
+
+    async def _refresh(self) -> bool:
+        router, backend = self.router, self.backend
+        decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
+        decode_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
+        prefill_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
+        self._observe_stats(await backend.all_stats())
+        for w, h in zip(decode + prefill, decode_h + prefill_h):
+            if w.healthy != h.ok:
+                log.info("worker %s is %s", w.address, "healthy again" if h.ok else f"failing deep health: {h.detail}")
+            w.healthy = h.ok
+        self.ok = any(h.ok for h in decode_h) and (not prefill or any(h.ok for h in prefill_h))
+        self.checked_at = time.monotonic()
+        return self.ok
+
+    def _observe_stats(self, stats: dict[str, pb.StatsResponse | None]) -> None:
+        router = self.router
+        for w in router.decode + router.prefill:
+            s = stats.get(w.address)
+            if s is not None and s.block_size:
+                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
+        # admission's prior: the prompt tokens per second the prefilling pool measured itself at
+        prefilling = router.prefill or router.decode
+        self.admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling
+                                            if w.healthy and (s := stats.get(w.address)) is not None))
+        self.gauges.export(stats)

@@ -1,0 +1,217 @@
+"""One request's path through the gateway, after its prompt is tokenized: parameters, the
+claims it holds while served, the decode worker it runs on (once more on another if the
+first fails before its first token), and its answer, streamed or whole.
+
+A request holds three claims: a slot in its tenant's limits, an admission ticket (what the
+TTFT prediction counts as queued) and its cost on its decode worker (what routing balances
+on). `Claims` takes them in that order and `release()` gives back whatever is held, once,
+on every path: a refusal, a failed start, the end of the answer, an error mid-stream, or a
+client that left at any moment (the response releases them when it ends, whether or not
+its body was ever read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.tokenizer import Tokenizer
+from gateway import responses
+from gateway.admission import Admission, Ticket
+from gateway.backend import Backend
+from gateway.errors import APIError
+from gateway.metrics import REQUESTS, TTFT
+from gateway.params import max_prompt_tokens, sampling_params
+from gateway.router import NoWorker, Router, WorkerState
+from gateway.tenants import Tenant
+from rpc import pdserve_pb2 as pb
+
+
+log = logging.getLogger(__name__)
+
+
+class WorkerUnavailable(APIError):
+    """The decode worker failed before sending anything: the request may go to another."""
+
+
+class Claims:
+    """What one request holds while it is served; `release()` gives it all back, once."""
+
+    def __init__(self, tenant: Tenant, admission: Admission, cost: int, prompt_tokens: int):
+        self.tenant, self.admission, self.cost, self.prompt_tokens = tenant, admission, cost, prompt_tokens
+        self.ticket: Ticket | None = None
+        self.worker: WorkerState | None = None
+        self._tenant_held = self._released = False
+
+    def take(self, kv_room: bool) -> None:
+        """The tenant's slot, then an admission ticket; on a refusal (429) nothing is held."""
+        self.tenant.admit(self.cost)
+        self._tenant_held = True
+        try:
+            self.ticket = self.admission.admit(self.prompt_tokens, kv_room=kv_room)
+        except APIError:
+            self.release()
+            raise
+
+    def on(self, worker: WorkerState) -> None:
+        """The request now counts on `worker` (its cost, and its prompt until the next Stats)."""
+        self.worker = worker
+        worker.outstanding_tokens += self.cost
+        worker.kv_claimed_tokens += self.prompt_tokens
+
+    def off(self) -> None:
+        """... and no longer: its start there failed."""
+        w, self.worker = self.worker, None
+        if w is not None:
+            w.outstanding_tokens -= self.cost
+            w.kv_claimed_tokens = max(0, w.kv_claimed_tokens - self.prompt_tokens)
+
+    def first_token(self) -> None:
+        if self.ticket is not None:
+            self.admission.first_token(self.ticket)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self.worker is not None:
+            self.worker.outstanding_tokens -= self.cost
+            self.worker = None
+        if self._tenant_held:
+            self.tenant.release(self.cost)
+        if self.ticket is not None:
+            self.admission.first_token(self.ticket, served=False)  # a no-op once it was served
+
+
+class _ReleasingStream(StreamingResponse):
+    """A streamed answer that awaits `on_close` when it ends, however it ends: even when the
+    client left before its body was ever iterated."""
+
+    def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._on_close()
+
+
+class RequestPath:
+    """Serves tokenized requests: `await path.serve(kind, body, prompt, tenant, request)`."""
+
+    def __init__(self, config, router: Router, backend: Backend, admission: Admission, tokenizer: Tokenizer):
+        self.config, self.router, self.backend = config, router, backend
+        self.admission, self.tokenizer = admission, tokenizer
+
+    def max_prompt(self) -> int:
+        return max_prompt_tokens(self.config.max_model_len, self.config.max_prompt_tokens)
+
+    async def serve(self, kind: str, body, prompt: list[int], tenant: Tenant, request: Request) -> Response:
+        config, router = self.config, self.router
+        endpoint = "chat" if kind == "chat" else "completions"
+        params = sampling_params(body, len(prompt), max_model_len=config.max_model_len, max_prompt=self.max_prompt(),
+                                 kv_capacity=router.kv_capacity(), max_output_tokens=config.max_output_tokens,
+                                 vocab_size=self.tokenizer.vocab_size)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        salt = tenant.cache_salt(body.cache_salt)
+        req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
+                                 prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
+        started = time.monotonic()
+        claims = Claims(tenant, self.admission, len(prompt) + params.max_tokens, len(prompt))
+        try:
+            claims.take(kv_room=router.kv_room(len(prompt)))
+        except APIError:
+            REQUESTS.labels(endpoint, "429").inc()
+            raise
+        try:
+            call, first = await self._start(req, claims, endpoint)
+        except BaseException:
+            claims.release()
+            raise
+        ttft = time.monotonic() - started
+        claims.first_token()
+        TTFT.observe(ttft)
+        events = responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
+                                           endpoint, self.tokenizer)
+
+        async def finish() -> None:  # the end of the answer, however it came
+            await events.aclose()  # its metrics, if its reader stopped before its end
+            claims.release()
+            call.cancel()  # a client that left, or a stop string: the decode worker aborts
+
+        if body.stream:
+            return _ReleasingStream(responses.sse(kind, rid, body, events, config.model_name, self.tokenizer),
+                                    on_close=finish, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            answer = responses.collect(kind, events, rid, body, config.model_name, self.tokenizer)
+            return await _collect_unless_gone(request, answer)
+        finally:
+            await finish()
+
+    async def _start(self, req: pb.GenerateRequest, claims: Claims, endpoint: str):
+        """Open the Generate stream on a decode worker and wait for its first message; once
+        more on another worker if the first fails before sending anything."""
+        tried: set[str] = set()
+        while True:
+            try:
+                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=tried)
+            except NoWorker:
+                REQUESTS.labels(endpoint, "503").inc()
+                raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
+            claims.on(worker)
+            try:
+                return await self._open(worker.address, req)
+            except BaseException as e:
+                claims.off()
+                if isinstance(e, WorkerUnavailable) and not tried and self.router.has_other_decode(worker):
+                    log.info("request %s: decode worker %s unavailable, retrying on another", req.request_id,
+                             worker.address)
+                    worker.healthy = False
+                    tried.add(worker.address)
+                    # a fresh id: a prefill worker may still hold the dead attempt's (and refuse a duplicate)
+                    req.request_id = f"{req.request_id}-retry"
+                    continue
+                REQUESTS.labels(endpoint, "error").inc()
+                raise
+
+    async def _open(self, address: str, req: pb.GenerateRequest):
+        """The Generate stream and its first message (admission errors surface here)."""
+        call = self.backend.generate(address, req, self.config.request_timeout_s)
+        try:
+            first = await call.read()
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise APIError(400, e.details()) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"}) from None
+            raise WorkerUnavailable(503, f"decode worker unavailable ({code.name})") from None
+        if first is grpc.aio.EOF:
+            raise WorkerUnavailable(503, "decode worker closed the stream")
+        return call, first
+
+
+async def _collect_unless_gone(request: Request, collect) -> Response:
+    """A non-streamed answer, abandoned (and the decode worker's call cancelled) when the
+    client disconnects: nobody would read it."""
+    task = asyncio.ensure_future(collect)
+    while not (await asyncio.wait({task}, timeout=0.5))[0]:
+        if await request.is_disconnected():
+            task.cancel()  # the gRPC call is cancelled and the claims released by the caller
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
+    return JSONResponse(task.result())
