@@ -13,7 +13,6 @@ from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
-from worker.service import WorkerServiceMixin
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +20,7 @@ _POLL_S = 0.5
 PROVE_TIMEOUT_S = 10.0  # a peer's answer to Prove, a gRPC thread's work: a network bound, not an engine one
 
 
-class DecodeService(WorkerServiceMixin, pb_grpc.DecodeWorkerServicer):
+class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
 

@@ -278,10 +278,9 @@ class Controller:
             self.channels[address] = auth.channel(address)
         return self.channels[address]
 
-    def _stub(self, slot: Slot):
-        """Health and Stats have the same shape on both roles, but live in each role's service."""
-        cls = pb_grpc.PrefillWorkerStub if slot.role == "prefill" else pb_grpc.DecodeWorkerStub
-        return cls(self._channel(slot.address))
+    def _stub(self, slot: Slot) -> pb_grpc.WorkerStub:
+        """Health and Stats: the Worker service, which both roles answer."""
+        return pb_grpc.WorkerStub(self._channel(slot.address))
 
     def _healthy(self, slot: Slot) -> bool:
         try:

@@ -33,9 +33,8 @@ class Backend:
     def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> aio.UnaryStreamCall:
         return pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
 
-    def _stub(self, address: str):
-        ch = self._channel(address)
-        return pb_grpc.DecodeWorkerStub(ch) if address in self.decode else pb_grpc.PrefillWorkerStub(ch)
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        return pb_grpc.WorkerStub(self._channel(address))
 
     async def health(self, address: str, deep: bool, timeout: float = 10.0) -> pb.HealthResponse:
         """The worker's own verdict (deep: is its engine loop making progress?); a call that

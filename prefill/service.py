@@ -13,14 +13,13 @@ from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
-from worker.service import WorkerServiceMixin
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 
 
-class PrefillService(WorkerServiceMixin, pb_grpc.PrefillWorkerServicer):
+class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from rpc import pdserve_pb2 as pb
+
+if TYPE_CHECKING:  # the gateway reads this module and never imports torch
+    from engine.llm_engine import EngineStats
 
 _FINISH_TO_PB = {
     None: pb.FINISH_NONE,
@@ -64,3 +69,19 @@ def logprobs_to_pb(lp: TokenLogprobs) -> pb.TokenLogprobs:
 
 def logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, list(zip(msg.top_token_ids, msg.top_logprobs)))
+
+
+def health_to_pb(worker: str, v) -> pb.HealthResponse:
+    """A deep-health verdict (worker.liveness.Verdict) as the Worker service answers it."""
+    return pb.HealthResponse(ok=v.ok, detail=v.detail, worker=worker, busy=v.busy, last_step_age_s=v.last_step_age_s,
+                             stall_bound_s=v.stall_bound_s, longest_step_s=v.longest_step_s, queued=v.queued)
+
+
+def stats_to_pb(worker: str, e: EngineStats, step_seconds: float, kv_blocks_transferred: int,
+                prefill_tokens_per_s: float, deep_probes: int) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        worker=worker, waiting_requests=e.num_waiting, waiting_tokens=e.waiting_tokens,
+        running_requests=e.num_running, free_blocks=e.free_blocks, total_blocks=e.total_blocks,
+        prefix_cache_hit_rate=e.prefix_cache_hit_rate, step_seconds=step_seconds, preemptions=e.num_preemptions,
+        kv_blocks_transferred=kv_blocks_transferred, block_size=e.block_size,
+        prefill_tokens_per_s=prefill_tokens_per_s, deep_probes=deep_probes)

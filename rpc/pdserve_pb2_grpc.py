@@ -39,45 +39,12 @@ class DecodeWorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.TransferInfo = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/TransferInfo',
-                request_serializer=rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
-                _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/Health',
-                request_serializer=rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.HealthResponse.FromString,
-                _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/pdserve.v1.DecodeWorker/Stats',
-                request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
-                _registered_method=True)
 
 
 class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def TransferInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,21 +57,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
-            ),
-            'TransferInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.TransferInfo,
-                    request_deserializer=rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=rpc_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,87 +96,6 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
-    @staticmethod
-    def TransferInfo(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/TransferInfo',
-            rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-            rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Health(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/Health',
-            rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            rpc_dot_pdserve__pb2.HealthResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Stats(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeWorker/Stats',
-            rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            rpc_dot_pdserve__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -250,21 +121,6 @@ class PrefillWorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
                 _registered_method=True)
-        self.TransferInfo = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/TransferInfo',
-                request_serializer=rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
-                _registered_method=True)
-        self.Health = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/Health',
-                request_serializer=rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.HealthResponse.FromString,
-                _registered_method=True)
-        self.Stats = channel.unary_unary(
-                '/pdserve.v1.PrefillWorker/Stats',
-                request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
-                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -288,24 +144,6 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def TransferInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Health(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,21 +161,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.SetPeers,
                     request_deserializer=rpc_dot_pdserve__pb2.SetPeersRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.SetPeersResponse.SerializeToString,
-            ),
-            'TransferInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.TransferInfo,
-                    request_deserializer=rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
-            ),
-            'Health': grpc.unary_unary_rpc_method_handler(
-                    servicer.Health,
-                    request_deserializer=rpc_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
-            ),
-            'Stats': grpc.unary_unary_rpc_method_handler(
-                    servicer.Stats,
-                    request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -431,6 +254,95 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+
+class WorkerStub:
+    """---- every worker ---------------------------------------------------------------------
+
+    What both roles answer the same way, on the same port as their own service: a caller
+    never needs to know a worker's role to ask it these.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.TransferInfo = channel.unary_unary(
+                '/pdserve.v1.Worker/TransferInfo',
+                request_serializer=rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
+                _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/pdserve.v1.Worker/Health',
+                request_serializer=rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.HealthResponse.FromString,
+                _registered_method=True)
+        self.Stats = channel.unary_unary(
+                '/pdserve.v1.Worker/Stats',
+                request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerServicer:
+    """---- every worker ---------------------------------------------------------------------
+
+    What both roles answer the same way, on the same port as their own service: a caller
+    never needs to know a worker's role to ask it these.
+    """
+
+    def TransferInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'TransferInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferInfo,
+                    request_deserializer=rpc_dot_pdserve__pb2.TransferInfoRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.TransferInfoResponse.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=rpc_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
+            ),
+            'Stats': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stats,
+                    request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Worker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Worker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Worker:
+    """---- every worker ---------------------------------------------------------------------
+
+    What both roles answer the same way, on the same port as their own service: a caller
+    never needs to know a worker's role to ask it these.
+    """
+
     @staticmethod
     def TransferInfo(request,
             target,
@@ -445,7 +357,7 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.PrefillWorker/TransferInfo',
+            '/pdserve.v1.Worker/TransferInfo',
             rpc_dot_pdserve__pb2.TransferInfoRequest.SerializeToString,
             rpc_dot_pdserve__pb2.TransferInfoResponse.FromString,
             options,
@@ -472,7 +384,7 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.PrefillWorker/Health',
+            '/pdserve.v1.Worker/Health',
             rpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
             rpc_dot_pdserve__pb2.HealthResponse.FromString,
             options,
@@ -499,7 +411,7 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdserve.v1.PrefillWorker/Stats',
+            '/pdserve.v1.Worker/Stats',
             rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
             rpc_dot_pdserve__pb2.StatsResponse.FromString,
             options,

@@ -269,7 +269,7 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
                  env={"PDSERVE_FAULT_SLOW_FACTOR": "40"}) as (_, address):
         (prefill,) = _status(address)["pools"]["prefill"]
         monkeypatch.setenv(auth.ENV, token)
-        stub = pb_grpc.PrefillWorkerStub(auth.channel(prefill["address"]))
+        stub = pb_grpc.WorkerStub(auth.channel(prefill["address"]))
         verdicts: list = []
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             def one(i: int) -> int:

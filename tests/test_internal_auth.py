@@ -10,7 +10,7 @@ from rpc import auth, proof
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from tests.tiny_models import write_tiny_checkpoint
-from tests.worker_procs import start_workers
+from tests.worker_procs import Stubs, start_workers
 
 SECRET = "internal-secret-for-the-test"
 
@@ -34,7 +34,7 @@ def _generate(stub) -> list[int]:
 @pytest.mark.parametrize("metadata", [None, [(auth.HEADER, "wrong")], [(auth.HEADER, "")]])
 def test_calls_without_the_secret_are_refused(worker, metadata):
     with grpc.insecure_channel(worker.address) as channel:
-        stub = pb_grpc.DecodeWorkerStub(channel)
+        stub = Stubs(channel, "decode")
         with pytest.raises(grpc.RpcError) as e:
             stub.Health(pb.HealthRequest(deep=True), timeout=10, metadata=metadata)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -46,7 +46,7 @@ def test_calls_without_the_secret_are_refused(worker, metadata):
 def test_calls_with_the_secret_are_served(worker, monkeypatch):
     monkeypatch.setenv(auth.ENV, SECRET)
     with auth.channel(worker.address) as channel:
-        stub = pb_grpc.DecodeWorkerStub(channel)
+        stub = Stubs(channel, "decode")
         assert stub.Health(pb.HealthRequest(deep=True), timeout=10).ok
         assert len(_generate(stub)) == 3
 
@@ -59,7 +59,7 @@ def test_the_gateways_async_channel_sends_the_secret_on_streams_too(worker, monk
 
     async def run() -> tuple[bool, list[int]]:
         async with auth.aio_channel(worker.address) as channel:
-            stub = pb_grpc.DecodeWorkerStub(channel)
+            stub = Stubs(channel, "decode")
             ok = (await stub.Health(pb.HealthRequest(deep=True), timeout=10)).ok
             req = pb.GenerateRequest(request_id="auth-aio", prompt_token_ids=[5, 6, 7],
                                      params=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -110,7 +110,7 @@ def test_the_token_goes_only_to_a_peer_that_proves_it_holds_it(worker, monkeypat
     impostor = _Impostor(relay_to=worker.address if relay else None)
     try:
         with auth.channel(impostor.address) as channel, pytest.raises(grpc.RpcError) as e:
-            pb_grpc.DecodeWorkerStub(channel).Health(pb.HealthRequest(deep=False), timeout=10)
+            pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(deep=False), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "did not prove" in e.value.details()
 
         async def aio_call() -> grpc.StatusCode:
@@ -132,7 +132,7 @@ def test_the_token_goes_only_to_a_peer_that_proves_it_holds_it(worker, monkeypat
 def test_a_peer_that_proves_itself_gets_the_token_once_per_channel(worker, monkeypatch):
     monkeypatch.setenv(auth.ENV, SECRET)
     with auth.channel(worker.address) as channel:
-        stub = pb_grpc.DecodeWorkerStub(channel)
+        stub = Stubs(channel, "decode")
         assert all(stub.Health(pb.HealthRequest(deep=False), timeout=10).ok for _ in range(3))
     with grpc.insecure_channel(worker.address) as raw, pytest.raises(grpc.RpcError) as e:
         raw.unary_unary(proof.METHOD)(b"short", timeout=10)

@@ -29,6 +29,20 @@ READY_TIMEOUT_S = 60.0
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
 
 
+class Stubs:
+    """One channel's stubs: the role's own service first, then the Worker service."""
+
+    def __init__(self, channel: grpc.Channel, role: str):
+        role_stub = pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub
+        self._stubs = (role_stub(channel), pb_grpc.WorkerStub(channel))
+
+    def __getattr__(self, name: str):
+        for stub in self._stubs:
+            if hasattr(stub, name):
+                return getattr(stub, name)
+        raise AttributeError(name)
+
+
 @dataclass
 class WorkerProc:
     role: str  # "prefill" or "decode"
@@ -38,11 +52,11 @@ class WorkerProc:
     _channel: grpc.Channel | None = None
 
     @property
-    def stub(self):
+    def stub(self) -> Stubs:
+        """The role's service and the shared Worker service (Health, Stats, TransferInfo)."""
         if self._channel is None:
             self._channel = auth.channel(self.address)
-        cls = pb_grpc.DecodeWorkerStub if self.role == "decode" else pb_grpc.PrefillWorkerStub
-        return cls(self._channel)
+        return Stubs(self._channel, self.role)
 
     def stats(self, timeout: float = 5.0) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=timeout)

@@ -20,10 +20,12 @@ from engine.llm_engine import LLMEngine
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from rpc import proof
+from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.auth import ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.parent_watch import watch_parent
+from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
                          interceptors=[ServerAuth(token)] if token else None)
     add_servicer(server)
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(worker), server)  # TransferInfo, Health, Stats
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")

@@ -1,21 +1,24 @@
-"""What every worker's gRPC service answers the same way: TransferInfo, Health, Stats."""
+"""The `Worker` gRPC service both roles answer the same way: TransferInfo, Health, Stats.
+Registered by worker/process.py next to the role's own service, on the same port."""
 
 from __future__ import annotations
 
 import grpc
 
 from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc.convert import health_to_pb, stats_to_pb
 
 # An idle worker's probe is one token through the loop, which picks it up within a
 # millisecond; past this wait (or the call's deadline) the loop's own heartbeat decides.
 DEEP_HEALTH_PROBE_WAIT_S = 5.0
 
 
-class WorkerServiceMixin:
-    """Mixed into a servicer whose `worker` is an EngineLoop with `name`, `agent` and
-    `kv_blocks_transferred`."""
+class WorkerService(pb_grpc.WorkerServicer):
+    """For an EngineLoop with `name`, `agent` and `kv_blocks_transferred`."""
 
-    worker: object
+    def __init__(self, worker):
+        self.worker = worker
 
     def TransferInfo(self, request: pb.TransferInfoRequest, context: grpc.ServicerContext) -> pb.TransferInfoResponse:
         agent = self.worker.agent
@@ -28,19 +31,10 @@ class WorkerServiceMixin:
             return pb.HealthResponse(ok=True, worker=self.worker.name)
         remaining = context.time_remaining()
         wait = DEEP_HEALTH_PROBE_WAIT_S if remaining is None else min(DEEP_HEALTH_PROBE_WAIT_S, remaining - 0.1)
-        v = self.worker.health(wait)
-        return pb.HealthResponse(ok=v.ok, detail=v.detail, worker=self.worker.name, busy=v.busy,
-                                 last_step_age_s=v.last_step_age_s, stall_bound_s=v.stall_bound_s,
-                                 longest_step_s=v.longest_step_s, queued=v.queued)
+        return health_to_pb(self.worker.name, self.worker.health(wait))
 
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Plain reads of counters the loop thread updates: each is consistent on its own.
-        w, e = self.worker, self.worker.engine.stats()
-        return pb.StatsResponse(
-            worker=w.name, waiting_requests=e.num_waiting, waiting_tokens=e.waiting_tokens,
-            running_requests=e.num_running, free_blocks=e.free_blocks,
-            total_blocks=e.total_blocks, prefix_cache_hit_rate=e.prefix_cache_hit_rate,
-            step_seconds=w.last_step_seconds, preemptions=e.num_preemptions,
-            kv_blocks_transferred=w.kv_blocks_transferred, block_size=e.block_size,
-            prefill_tokens_per_s=w.liveness.prefill_tokens_per_s, deep_probes=w.num_probes,
-        )
+        w = self.worker
+        return stats_to_pb(w.name, w.engine.stats(), w.last_step_seconds, w.kv_blocks_transferred,
+                           w.liveness.prefill_tokens_per_s, w.num_probes)

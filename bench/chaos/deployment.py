@@ -161,9 +161,8 @@ class Deployment:
         address = worker["address"]
         if address not in self._channels:
             self._channels[address] = auth.channel(address)
-        cls = pb_grpc.PrefillWorkerStub if worker["role"] == "prefill" else pb_grpc.DecodeWorkerStub
         try:
-            return cls(self._channels[address]).Stats(pb.StatsRequest(), timeout=5)
+            return pb_grpc.WorkerStub(self._channels[address]).Stats(pb.StatsRequest(), timeout=5)
         except grpc.RpcError:
             return None
 
