@@ -19,14 +19,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+INT32_MAX = 2**31 - 1  # the proto's int32 fields
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # an int32 on the wire
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -62,7 +65,7 @@ class _Sampling(BaseModel):
         if len(v) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
         for key, value in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()) or len(key) > 10:  # "²" is a digit, not an int
                 raise ValueError(f"key {key!r} is not a token id")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"value for token {key} must be in [-100, 100]")
@@ -88,7 +91,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 

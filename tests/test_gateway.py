@@ -572,3 +572,14 @@ def test_a_stream_that_breaks_is_counted_as_an_error_with_its_latency(system, sm
     finally:
         doomed.stop()
 
+
+@pytest.mark.parametrize("field, value", [("top_k", 2**40), ("max_tokens", 2**40), ("seed", -1),
+                                          ("logit_bias", {"\u00b2": 1.0}), ("logit_bias", {"1" * 40: 1.0})])
+def test_a_value_the_wire_or_the_engine_cannot_hold_is_a_400_naming_it(system, field, value):
+    """Every field is range-checked to what the proto (int32 top_k, max_tokens) and the engine
+    accept: past it, 400 with the parameter named, never a 500."""
+    url, _, _ = system
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={"model": "smollm2", "prompt": "Hi", field: value})
+    assert r.status_code == 400, (field, value, r.status_code, r.text)
+    assert field in json.dumps(r.json()["error"]), r.text
+
