@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 # that whole step, while it completes within a few ms (once the decode worker's NIXL makes
 # progress, which it does between layers of its own step).
 _LAST_PUSH_WAIT_S = 0.005
+
+# Request ids aborted before their Prefill arrived (the Abort overtook it), remembered so
+# that the late Prefill is refused rather than pushed into blocks the decode worker has
+# reused: the most recent ones, as many as a deployment could have racing at once.
+_EARLY_ABORTS_KEPT = 4096
 
 
 @dataclass
@@ -64,6 +70,7 @@ class PrefillWorker(EngineLoop):
         # The deployment's decode agents (SetPeers, from the controller); None until the
         # first list arrives: a worker started by hand takes any destination that checks out.
         self.members: frozenset[str] | None = None
+        self._early_aborts: OrderedDict[str, None] = OrderedDict()
 
     def set_members(self, decode_agents: list[str]) -> None:
         """The controller's list of decode agents (any thread: one assignment); connections
@@ -77,6 +84,9 @@ class PrefillWorker(EngineLoop):
             timeout_s: float | None) -> None:
         """Queue a prefill; failures before anything started resolve `reply` with an error."""
         rid = req.request_id
+        if rid in self._early_aborts:
+            del self._early_aborts[rid]
+            raise ValueError(f"request {rid}: aborted before its Prefill arrived; its blocks may be in use again")
         self.engine.check_token_ids(rid, list(req.prompt_token_ids), params)
         if rid in self.requests:  # e.g. its push is still in flight; its blocks are held under this id
             raise ValueError(f"request {rid}: duplicate request id (one with this id is still in flight)")
@@ -124,7 +134,11 @@ class PrefillWorker(EngineLoop):
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
         p = self.requests.get(request_id)
-        if p is None:
+        if p is None:  # not here (yet): a Prefill for it that comes later is refused
+            self._early_aborts[request_id] = None
+            self._early_aborts.move_to_end(request_id)
+            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
+                self._early_aborts.popitem(last=False)
             if confirmed is not None:
                 confirmed.set_result(False)
             return

@@ -254,3 +254,24 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     worker.poll()
     assert state.kv_complete and not state.failures
     worker.cancel("r")
+
+
+def test_an_abort_that_comes_before_its_prefill_refuses_the_prefill(model, monkeypatch):
+    """The decode worker's Abort can reach the prefill worker's loop before that request's
+    Prefill is added: it answers "not found" (nothing in flight), the decode worker reuses
+    the blocks, and the late Prefill must then be refused, not pushed into them."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker, agent = _prefill_worker(engine, monkeypatch)
+    confirmed: Future = Future()
+    worker.abort("late", confirmed)
+    assert confirmed.result(0) is False  # not found: the decode worker frees the blocks
+    prompt = list(range(3, 3 + 2 * BLOCK))
+    req = pb.PrefillRequest(request_id="late", prompt_token_ids=prompt,
+                            destination=pb.KVDestination(agent_name="decode-0-1", block_ids=[0, 1]))
+    with pytest.raises(ValueError, match="aborted before"):
+        worker.add(req, SamplingParams(temperature=0, max_tokens=4), Future(), timeout_s=30.0)
+    assert not engine.has_unfinished() and not agent.nixl.made  # nothing computed, nothing written
+    other = pb.PrefillRequest(request_id="other", prompt_token_ids=prompt,
+                              destination=pb.KVDestination(agent_name="decode-0-1", block_ids=[0, 1]))
+    worker.add(other, SamplingParams(temperature=0, max_tokens=4), Future(), timeout_s=30.0)  # others go on
+    assert engine.has_unfinished()
