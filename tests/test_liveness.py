@@ -149,3 +149,31 @@ def test_the_slow_factor_stretches_each_step(model, monkeypatch):
 def test_the_floor_must_be_positive():
     with pytest.raises(ValueError, match="must be > 0"):
         Liveness(floor_s=0)
+
+
+def test_a_call_that_runs_past_its_wait_is_answered_with_what_it_did(model):
+    """EngineLoop.call gives up waiting only on a command the loop has not started: one
+    already running (an admit the loop took just as the wait ran out) is waited for and its
+    result returned, so the caller never answers "not admitted" for a request that was."""
+    import threading
+    import time
+
+    loop = _loop(model)
+    loop.start()
+    try:
+        ran = threading.Event()
+
+        def slow_admit() -> str:
+            ran.set()
+            time.sleep(0.5)  # longer than the caller's wait below
+            return "admitted"
+
+        assert loop.call(slow_admit, timeout=0.05) == "admitted" and ran.is_set()
+        gate = threading.Event()
+        loop.submit(gate.wait)  # the loop is busy: the next command cannot start in time
+        with pytest.raises(TimeoutError):
+            loop.call(lambda: "late", timeout=0.05)
+        gate.set()
+        assert loop.call(lambda: "next", timeout=30) == "next"  # the cancelled one never ran; others do
+    finally:
+        loop.stop()

@@ -151,7 +151,9 @@ class EngineLoop:
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run `fn` on the loop thread and return its result (or raise what it raised).
 
-        Raises TimeoutError if the loop does not get to it within `timeout` seconds.
+        Raises TimeoutError if the loop does not start it within `timeout` seconds (it then
+        never runs). One the loop has started by then is waited for, to its result: the
+        caller must never report "not done" for something that was (an admitted request).
         """
         future: Future = Future()
 
@@ -166,8 +168,9 @@ class EngineLoop:
         try:
             return future.result(timeout)
         except TimeoutError:
-            future.cancel()
-            raise
+            if future.cancel():  # not started: it never will
+                raise
+        return future.result()  # running (commands are short): its outcome, whatever it is
 
     # -- the loop -------------------------------------------------------------------------
 
