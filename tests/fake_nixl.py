@@ -21,8 +21,13 @@ class FakeXfer:
         self.state = "PROC"  # the test moves it to DONE or ERR
         self.posted = False
         self.released = False
+        # NIXL's release() of a write still in progress asks its backend to cancel it and
+        # raises when it cannot: a test sets this False to have the write go on regardless.
+        self.cancellable = True
 
     def release(self) -> None:
+        if self.posted and self.state == "PROC" and not self.cancellable:
+            raise RuntimeError("NIXL_IN_PROG: the transfer is still in progress")
         self.released = True
 
 

@@ -564,6 +564,29 @@ def test_failed_post_fails_the_push_and_releases_its_handle():
     assert len(nixl.made) == 1 and nixl.made[0].released
 
 
+def test_a_failed_push_is_reported_only_once_none_of_its_writes_can_still_land():
+    """A push that fails (here its timeout) while NIXL cannot cancel its writes in progress:
+    FAILED (after which the decode worker reuses the blocks) comes only once every write
+    of it has ended, never while one may still land in blocks given to another request."""
+    agent = fake_agent()
+    nixl, pusher = agent.nixl, KVPusher(agent)
+    pusher.start("r", "decode-0-1", timeout_s=0.01)
+    pusher.push("r", [1], [10])
+    pusher.push("r", [2], [11])
+    for write in nixl.made:
+        write.cancellable = False
+    time.sleep(0.05)
+    assert pusher.poll() == [] and pusher.num_active == 1  # timed out, but its writes run on
+    pusher.push("r", [3], [12], last=True)  # a failing push posts nothing more
+    assert len(nixl.made) == 2
+    nixl.made[0].state = "DONE"
+    assert pusher.poll() == []
+    nixl.made[1].state = "ERR"
+    [failed] = pusher.poll()
+    assert (failed.status, failed.reason) == (PushStatus.FAILED, "timeout")
+    assert set(failed.remote_blocks) >= {11} and all(w.released for w in nixl.made)
+
+
 def test_push_timeout_and_call_errors():
     agent = fake_agent()
     pusher = KVPusher(agent)

@@ -73,6 +73,8 @@ class _Push:
     num_blocks: int = 0
     saw_last: bool = False
     aborting: bool = False
+    failed: str = ""  # why it failed; its FAILED waits until no write of it can still land
+    unconfirmed: tuple[int, ...] = ()
 
 
 class KVPusher:
@@ -97,7 +99,7 @@ class KVPusher:
     def push(self, request_id: str, local_blocks: list[int], remote_blocks: list[int], last: bool = False) -> None:
         """Queue a chunk: local block i is written into the peer's block remote_blocks[i]."""
         p = self._pushes.get(request_id)
-        if p is None or p.aborting:
+        if p is None or p.aborting or p.failed:
             return  # finished, failed or aborted: its event was or will be reported
         if len(local_blocks) != len(remote_blocks):
             raise ValueError(f"request {request_id}: {len(local_blocks)} local vs {len(remote_blocks)} remote blocks")
@@ -111,7 +113,7 @@ class KVPusher:
     def abort(self, request_id: str) -> None:
         """Stop posting; ABORTED is reported by poll() once no write of the request is in flight."""
         p = self._pushes.get(request_id)
-        if p is not None:
+        if p is not None and not p.failed:  # a failing one reports FAILED once its writes end
             p.aborting = True
             p.queued.clear()
             self._advance(p)
@@ -120,8 +122,11 @@ class KVPusher:
         """Check in-flight writes, post what can go, enforce timeouts; return finished pushes."""
         now = time.monotonic()
         for p in list(self._pushes.values()):
+            if p.failed:
+                self._drain_failed(p)
+                continue
             self._advance(p)
-            if p.request_id in self._pushes and now > p.deadline:
+            if p.request_id in self._pushes and not p.failed and now > p.deadline:
                 self._fail(p, "timeout")
         events, self._events = self._events, []
         return events
@@ -188,19 +193,41 @@ class KVPusher:
             log.info("request %s: could not tell %s about the abort: %s", p.request_id, p.peer, e)
 
     def _fail(self, p: _Push, reason: str) -> None:
-        unconfirmed = [b for c in (*p.in_flight, *p.queued) for b in c.remote]
-        # A queued chunk has a handle too when its post raised (e.g. a dead peer): release it as well.
-        for chunk in (*p.in_flight, *p.queued):
-            if chunk.handle is None:
-                continue
-            try:
-                chunk.handle.release()  # NIXL tries to cancel a write still in progress
-            except Exception:
-                pass
+        """Stop posting and cancel what is in flight. FAILED (after which the receiver's
+        blocks are reused) is reported only once no write of the push can still land:
+        NIXL's release() of a write in progress cancels it, or raises if it cannot, and
+        then the write is watched until it ends (_drain_failed)."""
+        p.failed, p.unconfirmed = reason, tuple(b for c in (*p.in_flight, *p.queued) for b in c.remote)
+        for chunk in p.queued:  # never posted, or its post raised: nothing of it is in flight
+            if chunk.handle is not None:
+                try:
+                    chunk.handle.release()
+                except Exception:
+                    pass
+        p.queued.clear()
         log.info("request %s: KV push to %s failed (%s); %d blocks unconfirmed",
-                 p.request_id, p.peer, reason, len(unconfirmed))
+                 p.request_id, p.peer, reason, len(p.unconfirmed))
         metrics.FAILURES.labels(reason=reason.split(":")[0]).inc()
-        self._finish(p, PushStatus.FAILED, tuple(unconfirmed), reason)
+        self._drain_failed(p)
+
+    def _drain_failed(self, p: _Push) -> None:
+        for chunk in list(p.in_flight):
+            try:
+                chunk.handle.release()  # cancels a write still in progress, or raises
+            except Exception:
+                try:
+                    state = self.agent.nixl.check_xfer_state(chunk.handle)
+                except Exception:  # its peer is gone (a disconnect error): nothing more can land
+                    state = "ERR"
+                if state == "PROC":
+                    continue  # it may still land: wait for it
+                try:
+                    chunk.handle.release()
+                except Exception:
+                    pass
+            p.in_flight.remove(chunk)
+        if not p.in_flight:
+            self._finish(p, PushStatus.FAILED, p.unconfirmed, p.failed)
 
     def _finish(self, p: _Push, status: PushStatus, unconfirmed: tuple[int, ...] = (), reason: str = "") -> None:
         del self._pushes[p.request_id]
