@@ -49,6 +49,7 @@ from pathlib import Path
 from bench.serving_metrics import (GOOD_ATTAINMENT, QUANTILES, SLO, Load, RequestRecord, Run,  # noqa: F401
                                    Status, distribution, goodput, next_probe, percentile, summarize)
 from deploy.workload import WORKLOADS, Request, poisson_arrivals, requests_from_lengths, sample_workload
+from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 CLOSED_LOOP_POOL = 20  # requests drawn per stream per second of --duration in closed loop
 
@@ -129,7 +130,8 @@ def _client(target: Target):
     except ImportError:
         raise SystemExit("pdserve bench needs httpx: pip install httpx (or pip install -e '.[dev]')") from None
     return httpx.AsyncClient(timeout=httpx.Timeout(target.timeout_s, connect=10.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
 async def _run_load(target: Target, load: Load, requests: list[Request], arrivals: list[float] | None,

@@ -19,7 +19,7 @@ from engine.model_source import resolve_model
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
-from gateway.head_deadline import with_head_timeout
+from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.tenants import Tenants
 from rpc.auth import is_loopback
 from worker.parent_watch import watch_parent
@@ -82,7 +82,7 @@ def main() -> None:
     # must arrive within --header-timeout (gateway/head_deadline.py).
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="info",
                                            http=with_head_timeout(args.header_timeout),
-                                           limit_concurrency=args.max_connections, timeout_keep_alive=5,
+                                           limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
                                            h11_max_incomplete_event_size=16384))
     sockets = [server.config.bind_socket()]
     if admin is not None:

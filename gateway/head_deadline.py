@@ -19,6 +19,12 @@ import asyncio
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
+# What a client of the gateway should expire its idle connections after: well below
+# KEEP_ALIVE_S, so a connection it reuses is never one the gateway is closing just then
+# (httpx's default, 5 s, races the gateway's close on every reuse near the 5 s mark).
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0
+
 _408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 25\r\nconnection: close\r\n\r\n" \
        b"request head not received"
 

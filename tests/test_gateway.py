@@ -17,10 +17,16 @@ import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
+from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S
 from rpc import pdserve_pb2 as pb
 from tests.worker_procs import REPO, start_workers, wait_idle
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# The flood's client expires idle connections before the gateway closes them, as any client
+# of it should: one reused just as the gateway's keep-alive ends gets a ReadError.
+FLOOD_LIMITS = httpx.Limits(max_connections=100, keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
 
 
 def _free_port() -> int:
@@ -86,7 +92,7 @@ def test_a_flood_of_ready_and_metrics_costs_the_workers_one_round_at_a_time(syst
     before = [w.stats().deep_probes for w in (prefill, decode)]
 
     async def flood() -> list[int]:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=100)) as http:
+        async with httpx.AsyncClient(timeout=60, limits=FLOOD_LIMITS) as http:
             replies = await asyncio.gather(*(http.get(f"{url}/{path}") for _ in range(300)
                                              for path in ("ready", "metrics")))
         return [r.status_code for r in replies]

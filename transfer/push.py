@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from transfer import metrics
 from transfer.agent import TransferAgent
 from transfer.faults import FaultFile, InjectedTransferError
+from transfer.handshake import parse_agent_name
 from transfer.layout import region_indices
 from transfer.messages import NotifKind, encode
-from transfer.handshake import parse_agent_name
 
 log = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from bench.chaos.client import client, completion, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Result
 from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL
+from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 
 def _limit_probes() -> list[tuple[str, bytes]]:
@@ -147,7 +148,8 @@ def chunked_oversize(url: str) -> tuple[int | None, str]:
 
 async def ready_flood(url: str, n: int) -> Counter:
     """`n` GETs of /ready and of /metrics at once: open routes, so they must not amplify."""
-    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=httpx.Limits(max_connections=100)) as http:
+    limits = httpx.Limits(max_connections=100, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    async with httpx.AsyncClient(timeout=CLIENT_TIMEOUT_S, limits=limits) as http:
         async def one(path: str):
             try:
                 return (await http.get(f"{url}/{path}")).status_code

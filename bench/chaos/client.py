@@ -13,6 +13,7 @@ import httpx
 
 from bench.chaos.report import Outcome, Record
 from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL, RECOVERY_TIMEOUT_S, TOKENS
+from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 
 def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: bool = True) -> dict:
@@ -23,7 +24,8 @@ def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: boo
 
 def client() -> httpx.AsyncClient:
     return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32))
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
 async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: float | None = None,
