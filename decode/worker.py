@@ -104,6 +104,17 @@ class DecodeWorker(EngineLoop):
         self._close(request_id, pb.GenerateResponse(finish_reason=pb.ABORT))
         log.info("request %s: cancelled", request_id)
 
+    def fail_all(self, reason: str) -> None:
+        """Steps keep failing: every request ends with an INTERNAL error (blocks a prefill
+        worker may be writing stay held until it confirms, as for a cancel)."""
+        for request_id in list(self.streams):
+            self.engine.abort_request(request_id)
+            if self.remote is not None:
+                self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
+            self._close(request_id, pb.GenerateResponse(
+                finish_reason=pb.ERROR,
+                error=pb.Error(code=pb.INTERNAL, message=f"engine steps failed: {reason}", request_id=request_id)))
+
     def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (RPC thread)."""
         return self.remote.proven(addresses, timeout_s) if self.remote is not None else []

@@ -131,6 +131,12 @@ class PrefillWorker(EngineLoop):
             log.info("peer %s left the deployment: disconnected", name)
             self.agent.remove_peer(name)
 
+    def fail_all(self, reason: str) -> None:
+        """Steps keep failing: abort every request (each is answered once nothing of it is
+        in flight, and its decode worker moves on to another prefill worker or itself)."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
         p = self.requests.get(request_id)

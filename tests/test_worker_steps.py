@@ -275,3 +275,47 @@ def test_an_abort_that_comes_before_its_prefill_refuses_the_prefill(model, monke
                               destination=pb.KVDestination(agent_name="decode-0-1", block_ids=[0, 1]))
     worker.add(other, SamplingParams(temperature=0, max_tokens=4), Future(), timeout_s=30.0)  # others go on
     assert engine.has_unfinished()
+
+
+def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_recovers(model):
+    """A step that raises every time (here: the forward pass) used to hang every request of
+    the worker while deep health said healthy. After a few failed iterations in a row each
+    request ends with an INTERNAL error, deep health says why while it lasts, and once the
+    fault is gone the worker serves again."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test")
+    execute, broken = engine.runner.execute, [True]
+
+    def failing(batch):
+        if broken[0]:
+            raise RuntimeError("injected: the forward pass fails")
+        return execute(batch)
+
+    engine.runner.execute = failing
+    worker.start()
+    try:
+        outs = [queue.SimpleQueue() for _ in range(2)]
+        for i, out in enumerate(outs):
+            worker.submit(lambda i=i, out=out: worker.add(f"r{i}", list(range(3 + i, 20 + i)),
+                                                          SamplingParams(temperature=0, max_tokens=4), 0, [], out, 5.0))
+        for out in outs:  # bounded: a few iterations of a loop that fails at once
+            msg = out.get(timeout=60)
+            assert msg.finish_reason == pb.ERROR and msg.error.code == pb.INTERNAL and "injected" in msg.error.message
+        wait_until(lambda: not engine.has_unfinished(), 30, "the engine emptied")
+        broken[0] = False
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        worker.submit(lambda: worker.add("after", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2), 0, [],
+                                         done, 5.0))
+        tokens, msg = [], done.get(timeout=60)
+        while True:
+            tokens += list(msg.token_ids)
+            if msg.finish_reason != pb.FINISH_NONE:
+                break
+            msg = done.get(timeout=60)
+        assert len(tokens) == 2 and msg.error.code == pb.ERROR_NONE
+        assert worker.health(5.0).ok
+        worker.failing, worker.last_error = 1, "RuntimeError: boom"  # what health says while steps fail
+        verdict = worker.health(5.0)
+        assert not verdict.ok and "engine steps are failing" in verdict.detail and "boom" in verdict.detail
+    finally:
+        worker.stop()

@@ -29,6 +29,10 @@ from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.001
+# Iterations in a row that raise before the worker gives up on the requests it holds: a
+# step that fails every time (a request the model cannot run, a broken kernel) would
+# otherwise hang each of them while the loop keeps trying.
+FAILED_ITERATIONS_BEFORE_GIVING_UP = 3
 
 
 class EngineLoop:
@@ -44,6 +48,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_iteration = time.monotonic()  # a stalled loop stops moving this
         self.num_errors = 0  # iterations that raised (logged); the loop keeps going
+        self.failing = 0  # iterations in a row that raised; 0 once one succeeds
+        self.last_error = ""
         self._idle_command: Callable[[], None] | None = None
         self._probe: Future | None = None  # the probe in flight: concurrent deep checks share it
         self._probe_lock = threading.Lock()
@@ -62,6 +68,11 @@ class EngineLoop:
 
     def on_step(self, result: StepResult) -> None:
         """Called on the loop thread with what each step did."""
+
+    def fail_all(self, reason: str) -> None:
+        """Called on the loop thread when iterations keep failing: end every request this
+        worker holds with an error (each must reach its caller, none may hang), so the
+        engine is empty and new requests can run."""
 
     # Called after each decoder layer of a step when set (EngineLoop passes it to execute).
     between_layers: Callable[[], None] | None = None
@@ -107,6 +118,12 @@ class EngineLoop:
         if not self._thread.is_alive():
             return Verdict(False, False, self.liveness.age_s(), self.liveness.bound_s, self.liveness.longest_step_s,
                            0, "the engine loop thread is not running")
+        if self.failing:
+            verdict = Verdict(False, e.has_unfinished(), self.liveness.age_s(), self.liveness.bound_s,
+                              self.liveness.longest_step_s, e.stats().queued,
+                              f"engine steps are failing ({self.failing} in a row): {self.last_error}")
+            log.warning("%s: deep health: %s", self.name, verdict.detail)
+            return verdict
         if e.has_unfinished():
             verdict = self.liveness.judge_busy(e.stats().queued)
         else:
@@ -181,15 +198,28 @@ class EngineLoop:
             self.last_iteration = time.monotonic()
             try:
                 busy = self._iterate()
-            except Exception:  # keep serving: a dead loop behind a live server hangs every request
+                self.failing = 0
+            except Exception as exc:  # keep serving: a dead loop behind a live server hangs every request
                 self.num_errors += 1
-                log.exception("engine loop iteration failed")
+                self.failing += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("engine loop iteration failed (%d in a row)", self.failing)
+                if self.failing >= FAILED_ITERATIONS_BEFORE_GIVING_UP:
+                    self._give_up(self.last_error)
                 busy = True
             if not busy:
                 try:  # sleep until a command arrives; it runs at the top of the next iteration
                     self._idle_command = self._commands.get(timeout=_IDLE_WAIT_S)
                 except queue.Empty:
                     pass
+
+    def _give_up(self, reason: str) -> None:
+        log.error("%s: %d iterations in a row failed (%s): failing every request it holds",
+                  self.name or "worker", self.failing, reason)
+        try:
+            self.fail_all(reason)
+        except Exception:
+            log.exception("failing the requests failed")
 
     def _stretch(self, t0: float) -> float:
         """The injected slow host (envs.fault_slow_factor): sleep until the work begun at
