@@ -86,7 +86,12 @@ class EngineLoop:
     def _schedule_and_execute(self) -> tuple[SchedulerOutput, StepResult]:
         out = self.engine.schedule()
         self.on_scheduled(out)
-        return out, self.engine.execute(out, self.between_layers)
+        try:
+            return out, self.engine.execute(out, self.between_layers)
+        except Exception:
+            if out.preempted:  # the schedule took their blocks back all the same: the worker must know
+                self.on_step(StepResult([], list(out.preempted), None))
+            raise
 
     # -- other threads --------------------------------------------------------------------
 
