@@ -325,35 +325,32 @@ def test_a_step_that_fails_still_reports_what_its_schedule_preempted(model, monk
     """The schedule preempts a request (its blocks go back to the pool) and then the forward
     pass raises: the prefill worker must still abort that request's push, whose writes would
     otherwise go on reading blocks that are no longer its own."""
-    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 10), SchedulerConfig(64, 8, CONTEXT))
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker, agent = _prefill_worker(engine, monkeypatch)
-    for i, rid in enumerate(["first", "second"]):  # 6 blocks each, 10 in the pool
-        prompt = list(range(3 + 100 * i, 3 + 100 * i + 6 * BLOCK))
+    replies = {}
+    for i, rid in enumerate(["first", "second"]):
+        prompt = list(range(3 + 100 * i, 3 + 100 * i + 4 * BLOCK))
         req = pb.PrefillRequest(request_id=rid, prompt_token_ids=prompt,
-                                destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(6))))
-        worker.add(req, SamplingParams(temperature=0, max_tokens=4), Future(), timeout_s=30.0)
-    execute = engine.runner.execute
-    preempting = []
-
-    def fails_when_it_preempts(batch):
-        if preempting:
-            raise RuntimeError("injected: the forward pass fails")
-        return execute(batch)
-
+                                destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(4))))
+        replies[rid] = Future()
+        worker.add(req, SamplingParams(temperature=0, max_tokens=4), replies[rid], timeout_s=30.0)
     schedule = engine.scheduler.schedule
 
-    def watched_schedule():
+    def preempting_schedule():
         out = schedule()
-        preempting.extend(out.preempted)
+        if "second" in {c.seq.request_id for c in out.chunks}:  # as when its blocks go to another
+            out.chunks = [c for c in out.chunks if c.seq.request_id != "second"]
+            engine.scheduler.abort("second")
+            out.preempted.append("second")
         return out
 
-    engine.scheduler.schedule = watched_schedule
-    engine.runner.execute = fails_when_it_preempts
-    for _ in range(20):
-        worker.poll()
-        try:
-            worker.step()
-        except RuntimeError:
-            break
-    assert preempting == ["second"]
-    assert worker.pusher._pushes["second"].aborting  # its push stops: nothing more is posted for it
+    def failing(batch):
+        raise RuntimeError("injected: the forward pass fails")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", preempting_schedule)
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    with pytest.raises(RuntimeError):
+        worker.step()
+    worker.poll()
+    assert replies["second"].done() and replies["second"].result(0).error.code == pb.CANCELLED  # its push stopped
+    assert not replies["first"].done()
