@@ -182,7 +182,8 @@ class RequestPath:
                     # a fresh id: a prefill worker may still hold the dead attempt's (and refuse a duplicate)
                     req.request_id = f"{req.request_id}-retry"
                     continue
-                REQUESTS.labels(endpoint, "error").inc()
+                refused = isinstance(e, APIError) and not isinstance(e, WorkerUnavailable)
+                REQUESTS.labels(endpoint, str(e.status) if refused else "error").inc()  # a worker's 429 is a 429
                 raise
 
     async def _open(self, address: str, req: pb.GenerateRequest):

@@ -589,3 +589,27 @@ def test_a_value_the_wire_or_the_engine_cannot_hold_is_a_400_naming_it(system, f
     assert r.status_code == 400, (field, value, r.status_code, r.text)
     assert field in json.dumps(r.json()["error"]), r.text
 
+
+def test_a_decode_workers_queue_full_is_a_429_in_the_metrics_too(system, smollm2_dir, tmp_path):
+    """A decode worker whose queue is full answers RESOURCE_EXHAUSTED: the client gets 429,
+    and /metrics counts it as status="429", not as an error of the system."""
+    _, prefill, _ = system
+    (small,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256", "--max-num-seqs", "1",
+                                          "--max-waiting", "1"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [small.address], [], tmp_path / "gateway.log") as url:
+            before = httpx.get(f"{url}/metrics", timeout=30).text
+            body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                codes = list(pool.map(lambda _: httpx.post(f"{url}/v1/completions", json=body,
+                                                           timeout=120).status_code, range(6)))
+            assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+            after = httpx.get(f"{url}/metrics", timeout=30).text
+            shed = _count(after, "pdserve_requests_total", endpoint="completions", status="429") - \
+                _count(before, "pdserve_requests_total", endpoint="completions", status="429")
+            assert shed == codes.count(429), (codes, shed)
+            assert _count(after, "pdserve_requests_total", endpoint="completions", status="error") == \
+                _count(before, "pdserve_requests_total", endpoint="completions", status="error")
+    finally:
+        small.stop()
+
