@@ -292,6 +292,14 @@ def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_
         return execute(batch)
 
     engine.runner.execute = failing
+    poll = worker.poll
+
+    def failing_poll() -> bool:  # every iteration fails while broken, idle ones too: health can see it
+        if broken[0]:
+            raise RuntimeError("injected: the forward pass fails")
+        return poll()
+
+    worker.poll = failing_poll
     worker.start()
     try:
         outs = [queue.SimpleQueue() for _ in range(2)]
@@ -302,6 +310,8 @@ def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_
             msg = out.get(timeout=60)
             assert msg.finish_reason == pb.ERROR and msg.error.code == pb.INTERNAL and "injected" in msg.error.message
         wait_until(lambda: not engine.has_unfinished(), 30, "the engine emptied")
+        verdict = worker.health(5.0)  # while the iterations fail: deep health says so
+        assert not verdict.ok and "engine steps are failing" in verdict.detail and "injected" in verdict.detail
         broken[0] = False
         done: queue.SimpleQueue = queue.SimpleQueue()
         worker.submit(lambda: worker.add("after", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2), 0, [],
@@ -314,9 +324,6 @@ def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_
             msg = done.get(timeout=60)
         assert len(tokens) == 2 and msg.error.code == pb.ERROR_NONE
         assert worker.health(5.0).ok
-        worker.failing, worker.last_error = 1, "RuntimeError: boom"  # what health says while steps fail
-        verdict = worker.health(5.0)
-        assert not verdict.ok and "engine steps are failing" in verdict.detail and "boom" in verdict.detail
     finally:
         worker.stop()
 
