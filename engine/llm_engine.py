@@ -62,7 +62,8 @@ class EngineStats:
 @dataclass(frozen=True)
 class ChunkRun:
     """One request's chunk that a step ran: its blocks, how far its KV reaches now, and the
-    prompt tokens its prefix cache served."""
+    prompt tokens its prefix cache served. `block_table` is the scheduler's own list (no copy
+    on the step's path): read it before the next schedule."""
 
     request_id: str
     block_table: list[int]
@@ -253,7 +254,7 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens,
             ))
         stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
-        chunks = [ChunkRun(c.seq.request_id, list(c.block_table), c.context_len, c.seq.num_cached_tokens)
+        chunks = [ChunkRun(c.seq.request_id, c.block_table, c.context_len, c.seq.num_cached_tokens)
                   for c in out.chunks]
         return StepResult(deltas, list(out.preempted), stats, chunks)
 
