@@ -65,6 +65,7 @@ class Controller:
         self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
         self.pools: dict[str, list[Slot]] = {"prefill": [], "decode": []}
         self.draining: list[Slot] = []  # out of the pools and the routing, still finishing their work
+        self._peers_sent: dict[str, list[str]] = {}  # prefill worker address -> the decode agents it was sent
         self.next_id = {"prefill": 0, "decode": 0}
         self.gateway: ray.actor.ActorHandle | None = None
         self.gateway_started = 0.0
@@ -355,9 +356,12 @@ class Controller:
         agents = [agent_name("decode", s.worker_id, s.incarnation) for s in [*self.pools["decode"], *self.draining]
                   if s.role == "decode" and s.state in (SlotState.READY, SlotState.DRAINING)]
         for slot in [s for s in self.pools["prefill"] if s.state is SlotState.READY]:
+            if self._peers_sent.get(slot.address) == agents:
+                continue  # it has this list (a restarted worker is a new address)
             try:
                 pb_grpc.PrefillWorkerStub(self._channel(slot.address)).SetPeers(
                     pb.SetPeersRequest(decode_agents=agents), timeout=self.config.health_timeout_s)
+                self._peers_sent[slot.address] = agents
             except grpc.RpcError as e:  # the next round sends it again; its health check judges it
                 log.info("prefill worker %s: SetPeers failed: %s", slot.worker_id, e.code().name)
 
