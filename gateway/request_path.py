@@ -26,6 +26,7 @@ from engine.tokenizer import Tokenizer
 from gateway import responses
 from gateway.admission import Admission, Ticket
 from gateway.backend import Backend
+from gateway.client_gone import ClientGone, unless_gone
 from gateway.errors import APIError
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
@@ -92,7 +93,8 @@ class Claims:
 
 class _ReleasingStream(StreamingResponse):
     """A streamed answer that awaits `on_close` when it ends, however it ends: even when the
-    client left before its body was ever iterated."""
+    client left before its body was ever iterated. A client that leaves ends it at once,
+    not at the next chunk it would have been sent (a preempted request sends none for a while)."""
 
     def __init__(self, content, on_close: Callable[[], Awaitable[None]], **kwargs):
         super().__init__(content, **kwargs)
@@ -100,7 +102,9 @@ class _ReleasingStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await unless_gone(receive, super().__call__(scope, receive, send))
+        except ClientGone:
+            pass
         finally:
             await self.body_iterator.aclose()
             await self._on_close()
@@ -127,6 +131,7 @@ class RequestPath:
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
                                  prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
         started = time.monotonic()
+        call = None
         claims = Claims(tenant, self.admission, len(prompt) + params.max_tokens, len(prompt))
         try:
             claims.take(kv_room=router.kv_room(len(prompt)))
@@ -134,10 +139,13 @@ class RequestPath:
             REQUESTS.labels(endpoint, "429").inc()
             raise
         try:
-            call, first = await self._start(req, claims, endpoint)
-        except BaseException:
-            claims.release()
-            raise
+            call, first = await unless_gone(request.receive, self._start(req, claims, endpoint))
+        except ClientGone:  # before its first token: queueing and prefill stop at once
+            REQUESTS.labels(endpoint, "cancelled").inc()
+            return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
+        finally:
+            if call is None:
+                claims.release()
         ttft = time.monotonic() - started
         claims.first_token()
         TTFT.observe(ttft)
@@ -172,6 +180,9 @@ class RequestPath:
             claims.on(worker)
             try:
                 return await self._open(worker.address, req)
+            except asyncio.CancelledError:  # its client left: nothing to count here
+                claims.off()
+                raise
             except BaseException as e:
                 claims.off()
                 if isinstance(e, WorkerUnavailable) and not tried and self.router.has_other_decode(worker):
@@ -191,6 +202,9 @@ class RequestPath:
         call = self.backend.generate(address, req, self.config.request_timeout_s)
         try:
             first = await call.read()
+        except asyncio.CancelledError:  # its client left: the decode worker drops it now
+            call.cancel()
+            raise
         except grpc.RpcError as e:
             code = e.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -206,13 +220,7 @@ class RequestPath:
 async def _collect_unless_gone(request: Request, collect) -> Response:
     """A non-streamed answer, abandoned (and the decode worker's call cancelled) when the
     client disconnects: nobody would read it."""
-    task = asyncio.ensure_future(collect)
-    while not (await asyncio.wait({task}, timeout=0.5))[0]:
-        if await request.is_disconnected():
-            task.cancel()  # the gRPC call is cancelled and the claims released by the caller
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-            return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
-    return JSONResponse(task.result())
+    try:
+        return JSONResponse(await unless_gone(request.receive, collect))
+    except ClientGone:  # the gRPC call is cancelled and the claims released by the caller
+        return Response(status_code=499)
