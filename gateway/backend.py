@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 from grpc import aio
@@ -11,18 +12,37 @@ from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 
 class Backend:
+    """Channels to the workers, one per address. A worker that leaves the membership keeps
+    its channel until its last Generate stream ends (scale-down drains it: the deploy
+    controller's drain bound, not this side, says how long that may take)."""
+
     def __init__(self, decode: list[str], prefill: list[str]):
         self._channels: dict[str, aio.Channel] = {}
+        self._streams: dict[str, int] = {}  # Generate calls open per address
+        self._closing: set[asyncio.Task] = set()
         self.decode = decode
         self.prefill = prefill
 
     async def set_workers(self, decode: list[str], prefill: list[str]) -> None:
-        """New membership; channels to workers that left are closed (their calls in flight end)."""
+        """New membership; channels to workers that left close once their streams end."""
         self.decode, self.prefill = list(decode), list(prefill)
-        gone = [a for a in self._channels if a not in self.decode and a not in self.prefill]
-        await asyncio.gather(*(self._channels.pop(a).close(grace=5.0) for a in gone))
+        gone = [a for a in self._channels if not self._member(a) and not self._streams.get(a)]
+        await asyncio.gather(*(self._close(a) for a in gone))
+
+    def _member(self, address: str) -> bool:
+        return address in self.decode or address in self.prefill
+
+    async def _close(self, address: str) -> None:
+        if self._member(address) or self._streams.get(address):
+            return  # back in the membership, or a stream opened since: keep it
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close()
+            log.info("channel to %s closed (no longer a member, no stream open)", address)
 
     def _channel(self, address: str) -> aio.Channel:
         ch = self._channels.get(address)
@@ -31,7 +51,19 @@ class Backend:
         return ch
 
     def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> aio.UnaryStreamCall:
-        return pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
+        call = pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
+        self._streams[address] = self._streams.get(address, 0) + 1
+        call.add_done_callback(lambda _: self._stream_ended(address))
+        return call
+
+    def _stream_ended(self, address: str) -> None:
+        left = self._streams[address] = self._streams[address] - 1
+        if left == 0:
+            del self._streams[address]
+            if not self._member(address):  # it left while this stream ran: the last one is done
+                task = asyncio.get_running_loop().create_task(self._close(address))
+                self._closing.add(task)  # the loop holds tasks weakly
+                task.add_done_callback(self._closing.discard)
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         return pb_grpc.WorkerStub(self._channel(address))

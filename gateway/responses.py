@@ -7,6 +7,7 @@ chunks when the client streams, `collect` joins them into one JSON object when i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -79,6 +80,13 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
                 return
             try:
                 msg = await call.read()
+            except asyncio.CancelledError:
+                if asyncio.current_task().cancelling():
+                    raise  # this reader is being cancelled (its client left)
+                status = "error"  # the call was, under it (its channel closed): an error, not a client gone
+                yield Failed({"message": "decode worker call cancelled mid-stream", "type": "server_error",
+                              "param": None, "code": None})
+                return
             except grpc.RpcError as e:
                 status = "error"
                 yield Failed({"message": f"decode worker failed mid-stream ({e.code().name})",

@@ -64,7 +64,10 @@ class Router:
         return min(roomy, key=lambda w: w.outstanding_tokens)
 
     def kv_room(self, prompt_tokens: int) -> bool:
-        """Some healthy decode worker has KV headroom for the prompt now."""
+        """Some healthy decode worker has KV headroom for the prompt now (True with none
+        known: that is a 503 of its own, not an overload)."""
+        if not self.decode:
+            return True
         live = [w for w in self.decode if w.healthy] or self.decode
         return any(w.fits(prompt_tokens) for w in live)
 

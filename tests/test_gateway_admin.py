@@ -4,6 +4,7 @@ is sent, and the admin socket serves nothing else."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from tests.test_gateway import gateway
+from tests.worker_procs import start_workers, wait_until
 
 ADMIN_TOKEN = "admin-token-for-the-test"
 
@@ -18,7 +20,7 @@ ADMIN_TOKEN = "admin-token-for-the-test"
 @pytest.fixture
 def admin_gateway(smollm2_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", ADMIN_TOKEN)
-    log = tmp_path / "gateway.log"
+    log = tmp_path / "gateway.log"  # tests read it
     with gateway(smollm2_dir, [], [], log) as url:
         deadline = time.monotonic() + 30
         while not (m := re.search(r"^admin on (\S+):(\d+)$", log.read_text(), re.MULTILINE)):
@@ -44,3 +46,31 @@ def test_the_admin_routes_are_served_only_on_the_loopback_admin_socket(admin_gat
     for path in ("/health", "/v1/models", "/metrics"):  # the admin socket is for /admin/* alone
         assert httpx.get(f"{admin}{path}", timeout=10).status_code == 404, path
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_a_decode_worker_leaving_the_membership_finishes_its_streams(admin_gateway, smollm2_dir, tmp_path):
+    """Scale-down takes a decode worker out of the gateway's membership while it streams: no
+    new request goes to it, but its running streams are served to their end (the deploy
+    controller's drain bounds how long), and only then is its channel closed."""
+    url, admin = admin_gateway
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    (d,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256"], {})], smollm2_dir, tmp_path)
+    try:
+        assert httpx.put(f"{admin}/admin/workers", json={"decode": [d.address], "prefill": []}, headers=auth,
+                         timeout=10).status_code == 200
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            next(lines)
+            left = httpx.put(f"{admin}/admin/workers", json={"decode": [], "prefill": []}, headers=auth, timeout=10)
+            assert left.status_code == 200, left.text
+            refused = httpx.post(f"{url}/v1/completions", json={"model": "smollm2", "prompt": "Hi"}, timeout=30)
+            assert refused.status_code == 503, refused.text  # nobody new goes to it
+            rest = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+        assert "error" not in rest[-1], rest[-1]
+        assert rest[-1]["usage"]["completion_tokens"] == 400 and rest[-2]["choices"][0]["finish_reason"] == "length"
+        log = tmp_path / "gateway.log"
+        wait_until(lambda: f"channel to {d.address} closed" in log.read_text(), 30, "the channel closed")
+    finally:
+        d.stop()
