@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
@@ -647,3 +648,31 @@ def test_a_client_that_leaves_before_its_first_token_is_cancelled_at_once(one_se
     assert s.running_requests == 0 and s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert _count(metrics, "pdserve_requests_total", endpoint="completions", status="cancelled") >= 1, metrics
+
+
+def test_twice_max_num_seqs_open_streams_leave_health_and_stats_answered(system):
+    """Every open Generate stream holds one of the decode worker's gRPC threads: with twice
+    `max_num_seqs` (64) streams open, all are admitted (running or queued) and Health, deep
+    too, and Stats are still answered; none waits inside gRPC for a thread."""
+    _, _, decode = system
+    streams = 2 * 64
+    req = pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4], params=pb.SamplingParams(max_tokens=400, ignore_eos=True))
+    calls = [decode.stub.Generate(pb.GenerateRequest(request_id=f"open-{i}", prompt_token_ids=req.prompt_token_ids,
+                                                     params=req.params), timeout=300) for i in range(streams)]
+
+    def all_open() -> bool:
+        try:
+            s = decode.stub.Stats(pb.StatsRequest(), timeout=5)
+        except grpc.RpcError:
+            return False  # queued behind the streams for a thread
+        return s.running_requests + s.waiting_requests == streams
+
+    try:
+        wait_until(all_open, 120, f"{streams} streams admitted at once")
+        assert decode.stub.Health(pb.HealthRequest(), timeout=5).ok
+        assert decode.stub.Health(pb.HealthRequest(deep=True), timeout=30).ok
+    finally:
+        for c in calls:
+            c.cancel()
+    s = wait_idle(decode, timeout_s=60)
+    assert s.running_requests == 0 and s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s

@@ -29,6 +29,9 @@ from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MAX_WAITING = 256
+CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
+
 
 def worker_arguments(role: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"python -m {role}", description=f"pdserve {role} worker (gRPC)")
@@ -44,7 +47,7 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-waiting", type=int, default=256, help="queue bound; past it requests are refused at once")
+    p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="queue bound; past it requests are refused at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this process")
     p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
@@ -76,10 +79,21 @@ def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: s
     return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model)
 
 
+def rpc_threads(scheduler: SchedulerConfig) -> int:
+    """gRPC threads for a worker: one per request it may hold (a stream, or a unary call
+    that waits for its answer, holds a thread while it runs: `max_num_seqs` running plus
+    `max_waiting` queued), plus room for the control calls (Health, Stats, Abort, SetPeers)
+    so they never wait behind requests for a thread."""
+    waiting = scheduler.max_waiting if scheduler.max_waiting is not None else DEFAULT_MAX_WAITING
+    return scheduler.max_num_seqs + waiting + CONTROL_RPC_THREADS
+
+
 def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: int) -> None:
     """Run the worker's loop and gRPC server until SIGTERM or Ctrl-C, then stop both."""
     token = internal_token()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rpc"),
+    threads = rpc_threads(worker.engine.config.scheduler)
+    log.info("%s: %d gRPC threads", worker.name, threads)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          interceptors=[ServerAuth(token)] if token else None)
     add_servicer(server)
     pb_grpc.add_WorkerServicer_to_server(WorkerService(worker), server)  # TransferInfo, Health, Stats
