@@ -253,7 +253,8 @@ class Scheduler:
                 return None, refund
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # A reservation awaiting remote KV runs once it lands: it takes its seat now.
+        while budget > 0 and len(self.running) + len(self.awaiting_kv) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break

@@ -127,3 +127,29 @@ def test_a_preempted_remote_request_is_recomputed_locally():
         s.update_from_output(out, fake_tokens(out))
     assert "r" in preempted and not remote_again
     assert_no_leak(s)
+
+
+def test_remote_reservations_count_against_max_num_seqs():
+    """A sequence awaiting remote KV will run once its KV lands: reservations and running
+    sequences together stay within max_num_seqs (the KV arriving never overfills the batch)."""
+    s = make(num_blocks=64, block_size=4, max_seqs=2)
+    s.add(seq("local", 6, max_tokens=4))
+    for i in range(3):
+        s.add(remote(f"r{i}", 6, max_tokens=4, base=10 * (i + 1)))
+    out = s.schedule()
+    assert len(out.chunks) == 1 and [rp.seq.request_id for rp in out.remote_prefills] == ["r0"]
+    s.update_from_output(out, fake_tokens(out, 7))
+    s.remote_kv_ready("r0", 7)
+    finished = {}
+    for _ in range(100):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        assert s.num_running + len(s.awaiting_kv) <= 2
+        for u in s.update_from_output(out, fake_tokens(out, 7)):
+            if u.finish_reason:
+                finished[u.request_id] = u.finish_reason
+        for rp in out.remote_prefills:  # the KV lands in the next step
+            s.remote_kv_ready(rp.seq.request_id, 7)
+    assert finished.keys() == {"local", "r0", "r1", "r2"}
+    assert_no_leak(s)
