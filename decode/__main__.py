@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from decode.remote_prefill import DEFAULT_ABORT_BOUND_S
 from decode.service import DecodeService
 from decode.worker import DecodeWorker
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -15,13 +16,16 @@ def main() -> None:
     parser.add_argument("--local-prefill-threshold", type=int, default=0,
                         help="prefill here when the uncached prompt is at most this many tokens")
     parser.add_argument("--prefill-timeout", type=float, default=60.0, help="seconds for one remote prefill")
+    parser.add_argument("--abort-bound", type=float, default=DEFAULT_ABORT_BOUND_S,
+                        help="seconds a prefill worker may take to confirm an abort (or be proven gone) "
+                             "before the request goes on without the blocks it may still be writing")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, model = build_engine(args)
     agent = build_agent("decode", args, engine, model)
     name = agent.name if agent is not None else f"decode-{args.worker_id}"
     worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout,
-                          stall_floor_s=args.stall_timeout)
+                          stall_floor_s=args.stall_timeout, abort_bound_s=args.abort_bound)
     serve(worker, lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server),
           args.host, args.port)
 

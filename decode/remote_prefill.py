@@ -13,6 +13,10 @@ that another worker is filling. Events:
 - `PrefillHere`: no prefill worker is left (or none could be asked), and nothing is in
   flight: prefill it locally.
 - `Released`: a cancelled request whose blocks no prefill worker can be writing any more.
+- `Quarantined`: a prefill worker neither confirmed an abort nor was proven gone within
+  `abort_bound_s`: the request's blocks are set aside (held, out of use) and the request
+  goes on without them (prefilled here); their `Released` comes once the worker confirms
+  or is proven gone. A silent host costs the bound and some blocks, never a hung request.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class RemotePrefillState:
     prefill_timings: object = None
     started: float = field(default_factory=time.monotonic)
     failures: list[str] = field(default_factory=list)
+    aborting_since: float = 0.0  # monotonic: when the current attempt's abort was first asked
+    retry_at: float = 0.0  # an unconfirmed abort is asked again from then
     reserved: RemotePrefill | None = None  # the schedule's reservation: the sequence and its blocks
     cancelled: bool = False  # the client left: once nothing is in flight, its blocks are Released
 
@@ -75,10 +81,17 @@ class RemotePrefillState:
 
 
 def worker_is_gone(error: BaseException) -> bool:
-    """A gRPC error that means the worker cannot be writing any more (dead, never reached,
-    or never sent anything because it could not prove itself)."""
-    return isinstance(error, NotProven) or isinstance(error, grpc.RpcError) and error.code() in (
-        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
+    """A call's error that proves the worker cannot be writing: it never sent anything (it
+    could not prove itself; it does not serve prefills), or nothing listens at its address
+    (connection refused: a worker closes its server only after its loop and pushes have
+    stopped, or it died). UNAVAILABLE alone proves nothing: a connection that broke or a
+    host gone silent may have a live worker behind it, still writing."""
+    if isinstance(error, NotProven):
+        return True
+    if not isinstance(error, grpc.RpcError):
+        return False
+    return error.code() is grpc.StatusCode.UNIMPLEMENTED or (
+        error.code() is grpc.StatusCode.UNAVAILABLE and "connection refused" in (error.details() or "").lower())
 
 
 def new_transfer_id(request_id: str, attempt: int) -> str:
@@ -111,16 +124,40 @@ class Released:
     request_id: str
 
 
-Event = KVReady | PrefillHere | Released
+@dataclass(frozen=True)
+class Quarantined:
+    request_id: str
+    quarantine_id: str  # the blocks' id until they are Released
+    cancelled: bool  # the request is gone already; else it is prefilled here
+
+
+@dataclass
+class _Unconfirmed:
+    """Quarantined blocks, and the abort that will free them once answered."""
+
+    quarantine_id: str
+    request_id: str
+    worker: str
+    abort_rpc: grpc.Future | None
+    retry_at: float = 0.0
+
+
+Event = KVReady | PrefillHere | Released | Quarantined
+
+ABORT_TIMEOUT_S = 10.0  # one Abort call: a network bound (the prefill worker answers from its RPC thread)
+ABORT_RETRY_S = 1.0  # an Abort that failed without proof is asked again after this
+DEFAULT_ABORT_BOUND_S = 30.0  # unconfirmed this long: the request goes on without its blocks
 
 
 class RemotePrefills:
     """Every remote prefill of one decode worker (its loop thread), keyed by request id."""
 
-    def __init__(self, agent: TransferAgent):
+    def __init__(self, agent: TransferAgent, abort_bound_s: float = DEFAULT_ABORT_BOUND_S):
         self.agent = agent
+        self.abort_bound_s = abort_bound_s
         self.receiver = KVReceiver(agent)
         self.states: dict[str, RemotePrefillState] = {}
+        self.unconfirmed: dict[str, _Unconfirmed] = {}  # quarantined blocks, by quarantine id
         self._transfer_info = agent.info().to_bytes()
         self._channels: dict[str, tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]] = {}
         self._channels_lock = threading.Lock()  # the loop and RPC threads (proving) both open them
@@ -200,6 +237,8 @@ class RemotePrefills:
                 self._attempt_failed(state, f"KV {ev.status.value}")
         for state in list(self.states.values()):
             self._poll(state)
+        for q in list(self.unconfirmed.values()):
+            self._poll_unconfirmed(q)
         return self._take_events()
 
     def _take_events(self) -> list[Event]:
@@ -250,8 +289,13 @@ class RemotePrefills:
 
     def _poll(self, state: RemotePrefillState) -> None:
         if state.phase is Phase.ABORTING:
+            now = time.monotonic()
             if state.abort_rpc is not None and state.abort_rpc.done():
                 self._after_abort(state)
+            elif state.abort_rpc is None and now >= state.retry_at:
+                state.abort_rpc = self._ask_abort(state.worker, state.request_id)
+            if state.phase is Phase.ABORTING and now - state.aborting_since >= self.abort_bound_s:
+                self._quarantine(state)
             return
         if state.rpc is not None and state.rpc.done():
             rpc, state.rpc = state.rpc, None
@@ -285,24 +329,60 @@ class RemotePrefills:
     def _abort_attempt(self, state: RemotePrefillState, reason: str) -> None:
         """Ask the current prefill worker to stop; the blocks stay reserved until it confirms."""
         state.phase = Phase.ABORTING
+        state.aborting_since = time.monotonic()
         if state.rpc is not None:
             state.rpc.cancel()
             state.rpc = None
-        state.abort_rpc = self._stub(state.worker).Abort.future(
-            pb.AbortRequest(request_id=state.request_id), timeout=10.0)
+        state.abort_rpc = self._ask_abort(state.worker, state.request_id)
+
+    def _ask_abort(self, worker: str, request_id: str) -> grpc.Future:
+        return self._stub(worker).Abort.future(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+
+    def _abort_answered(self, rpc: grpc.Future, request_id: str, worker: str) -> bool:
+        """The abort is confirmed (nothing of the request in flight) or the worker proven gone."""
+        try:
+            rpc.result()
+            return True
+        except grpc.RpcError as e:
+            if worker_is_gone(e):
+                return True
+            log.warning("request %s: %s did not confirm the abort (%s: %s); its blocks stay out of use",
+                        request_id, worker, e.code().name, e.details())
+            return False
 
     def _after_abort(self, state: RemotePrefillState) -> None:
-        try:
-            state.abort_rpc.result()  # confirmed: nothing of the request is in flight
-        except grpc.RpcError as e:
-            if not worker_is_gone(e):  # neither confirmed nor dead: keep the blocks out of use, ask again
-                log.warning("request %s: %s did not confirm the abort (%s); its blocks stay reserved",
-                            state.request_id, state.worker, e.code().name)
-                state.abort_rpc = self._stub(state.worker).Abort.future(
-                    pb.AbortRequest(request_id=state.request_id), timeout=10.0)
-                return
-        state.abort_rpc = None
+        rpc, state.abort_rpc = state.abort_rpc, None
+        if not self._abort_answered(rpc, state.request_id, state.worker):
+            state.retry_at = time.monotonic() + ABORT_RETRY_S  # neither confirmed nor dead: ask again
+            return
         self._next_attempt(state)
+
+    def _quarantine(self, state: RemotePrefillState) -> None:
+        """Unconfirmed past the bound: the blocks are set aside, the request goes on."""
+        rid = state.request_id
+        qid = f"{rid}#unconfirmed.{state.attempt}.{secrets.token_hex(2)}"
+        del self.states[rid]
+        self.unconfirmed[qid] = _Unconfirmed(qid, rid, state.worker, state.abort_rpc, state.retry_at)
+        log.warning("request %s: %s has not confirmed its abort in %.0fs; %d blocks set aside as %s, "
+                    "the request goes on without them", rid, state.worker, self.abort_bound_s,
+                    len(state.destination_blocks), qid)
+        self._events.append(Quarantined(rid, qid, state.cancelled))
+
+    def _poll_unconfirmed(self, q: _Unconfirmed) -> None:
+        if q.abort_rpc is None:
+            if time.monotonic() >= q.retry_at:
+                q.abort_rpc = self._ask_abort(q.worker, q.request_id)
+            return
+        if not q.abort_rpc.done():
+            return
+        rpc, q.abort_rpc = q.abort_rpc, None
+        if not self._abort_answered(rpc, q.request_id, q.worker):
+            q.retry_at = time.monotonic() + ABORT_RETRY_S
+            return
+        del self.unconfirmed[q.quarantine_id]
+        log.info("request %s: %s answered; blocks set aside as %s are free again", q.request_id, q.worker,
+                 q.quarantine_id)
+        self._events.append(Released(q.quarantine_id))
 
     def _next_attempt(self, state: RemotePrefillState) -> None:
         rid = state.request_id

@@ -13,6 +13,7 @@ from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
+from worker.loop import ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except RequestRejected as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ShuttingDown as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
 

@@ -16,7 +16,8 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from decode.remote_prefill import Event, KVReady, PrefillHere, Released, RemotePrefills
+from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
+                                   RemotePrefills)
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, SchedulerOutput
@@ -25,7 +26,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import finish_to_pb, logprobs_to_pb
 from transfer import TransferAgent
 from worker.liveness import DEFAULT_STALL_FLOOR_S
-from worker.loop import EngineLoop
+from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ REMOTE_PREFILL_SLACK = 10.0  # a remote prefill may take this many times its mea
 class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, name: str, agent: TransferAgent | None = None,
                  local_prefill_threshold: int = 0, prefill_timeout_s: float = 60.0,
-                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S):
+                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S, abort_bound_s: float = DEFAULT_ABORT_BOUND_S):
         super().__init__(engine, name=f"{name}-loop", stall_floor_s=stall_floor_s)
         self.name = name
         self.agent = agent
-        self.remote = RemotePrefills(agent) if agent is not None else None
+        self.remote = RemotePrefills(agent, abort_bound_s) if agent is not None else None
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_timeout_s = prefill_timeout_s
         self.streams: dict[str, _Stream] = {}
@@ -69,7 +70,9 @@ class DecodeWorker(EngineLoop):
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
             prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
             cache_salt: str = "") -> None:
-        """Admit a request (raises RequestRejected / QueueFull for the RPC to answer)."""
+        """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer)."""
+        if self.closing:
+            raise ShuttingDown(f"request {request_id}: {self.name} is shutting down")
         if (self.remote is not None and request_id in self.remote) or self.engine.holds_blocks(request_id):
             # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
             raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
@@ -105,19 +108,22 @@ class DecodeWorker(EngineLoop):
         log.info("request %s: cancelled", request_id)
 
     def fail_all(self, reason: str) -> None:
-        """Steps keep failing: every request ends with an INTERNAL error (blocks a prefill
-        worker may be writing stay held until it confirms, as for a cancel)."""
+        """Steps keep failing, or the worker shuts down: every request ends with an INTERNAL
+        error (blocks a prefill worker may be writing stay held until it confirms, as for a cancel)."""
         for request_id in list(self.streams):
             self.engine.abort_request(request_id)
             if self.remote is not None:
                 self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
             self._close(request_id, pb.GenerateResponse(
                 finish_reason=pb.ERROR,
-                error=pb.Error(code=pb.INTERNAL, message=f"engine steps failed: {reason}", request_id=request_id)))
+                error=pb.Error(code=pb.INTERNAL, message=reason, request_id=request_id)))
 
     def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (RPC thread)."""
         return self.remote.proven(addresses, timeout_s) if self.remote is not None else []
+
+    def holds_work(self) -> bool:
+        return bool(self.streams)  # its remote prefills' late writes die with this process
 
     # -- the loop's hooks ----------------------------------------------------------------
 
@@ -159,6 +165,10 @@ class DecodeWorker(EngineLoop):
                 self.engine.remote_kv_failed(ev.request_id)
             elif isinstance(ev, Released):
                 self.engine.release(ev.request_id)
+            elif isinstance(ev, Quarantined):
+                self.engine.quarantine(ev.request_id, ev.quarantine_id)
+                if not ev.cancelled:
+                    self.engine.remote_kv_failed(ev.request_id)
 
     # -- streams --------------------------------------------------------------------------
 

@@ -139,6 +139,15 @@ class KVCacheManager:
         del self._hashes[request_id]
         self.pool.free(reversed(table))
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Hand the request's block table, as it is, to `new_id` (unknown ids are ignored)."""
+        if request_id not in self._tables:
+            return
+        if new_id in self._tables:
+            raise ValueError(f"request {new_id}: already holds blocks")
+        self._tables[new_id] = self._tables.pop(request_id)
+        self._hashes[new_id] = self._hashes.pop(request_id)
+
     # -- views ------------------------------------------------------------------------
 
     def block_table(self, request_id: str) -> list[int]:

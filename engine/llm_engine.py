@@ -191,6 +191,11 @@ class LLMEngine:
         """Its remote prefill failed with no write in flight: prefill it here instead."""
         self.scheduler.remote_kv_failed(request_id, recompute=True)
 
+    def quarantine(self, request_id: str, quarantine_id: str) -> None:
+        """Set the request's blocks aside under `quarantine_id` (a writer may not have
+        stopped): held until release(quarantine_id); the request goes on without them."""
+        self.scheduler.quarantine(request_id, quarantine_id)
+
     def release(self, request_id: str) -> None:
         """Free the blocks a finished request held (hold_blocks, or aborted awaiting KV)."""
         self.scheduler.release(request_id)

@@ -194,6 +194,15 @@ class Scheduler:
         self._push_waiting(seq)
         return None
 
+    def quarantine(self, request_id: str, quarantine_id: str) -> None:
+        """Blocks a remote writer may still be writing, set aside under `quarantine_id` (held
+        until release(quarantine_id)); the request keeps its id, with no blocks: awaiting
+        KV, remote_kv_failed() then prefills it here into new ones."""
+        self.kv.rename(request_id, quarantine_id)
+        if request_id in self.held:
+            self.held.discard(request_id)
+        self.held.add(quarantine_id)
+
     def release(self, request_id: str) -> None:
         """Free the blocks a finished request held (hold_blocks, or aborted while awaiting KV)."""
         if request_id in self.held:

@@ -13,6 +13,7 @@ from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
+from worker.loop import ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except ShuttingDown as e:  # a reply: the caller knows nothing of it started
+            return pb.PrefillResponse(error=pb.Error(code=pb.CANCELLED, message=str(e), request_id=rid))
         except ValueError as e:  # bad parameters, destination or handshake (HandshakeError, RequestRejected)
             log.info("request %s: refused: %s", rid, e)
             return pb.PrefillResponse(error=pb.Error(code=pb.INVALID_REQUEST, message=str(e), request_id=rid))

@@ -23,7 +23,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
 from worker.liveness import DEFAULT_STALL_FLOOR_S
-from worker.loop import EngineLoop
+from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,8 @@ class PrefillWorker(EngineLoop):
             timeout_s: float | None) -> None:
         """Queue a prefill; failures before anything started resolve `reply` with an error."""
         rid = req.request_id
+        if self.closing:
+            raise ShuttingDown(f"request {rid}: {self.name} is shutting down")
         if rid in self._early_aborts:
             del self._early_aborts[rid]
             raise ValueError(f"request {rid}: aborted before its Prefill arrived; its blocks may be in use again")
@@ -131,8 +133,11 @@ class PrefillWorker(EngineLoop):
             log.info("peer %s left the deployment: disconnected", name)
             self.agent.remove_peer(name)
 
+    def holds_work(self) -> bool:
+        return bool(self.requests)  # each until its push has ended or been cancelled
+
     def fail_all(self, reason: str) -> None:
-        """Steps keep failing: abort every request (each is answered once nothing of it is
+        """Steps keep failing, or the worker shuts down: abort every request (each is answered once nothing of it is
         in flight, and its decode worker moves on to another prefill worker or itself)."""
         for request_id in list(self.requests):
             self.abort(request_id)

@@ -117,10 +117,27 @@ class _AioStreamAuth(_AioAuth, aio.UnaryStreamClientInterceptor):
         return await continuation(await self._details(details), request)
 
 
+# A peer that goes silent (a host that froze or fell off the network, its TCP connection
+# left open) fails the calls to it within KEEPALIVE_S + its timeout, as UNAVAILABLE,
+# instead of each waiting for its whole deadline. Pings go even with no call open.
+KEEPALIVE_S = 10
+# (gRPC core waits `ping_timeout_ms`, a minute by default, for a ping's answer whatever
+# `keepalive_timeout_ms` says: both are set.)
+KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", 5000),
+             ("grpc.http2.ping_timeout_ms", 5000), ("grpc.keepalive_permit_without_calls", 1),
+             ("grpc.http2.max_pings_without_data", 0)]
+# What a server must allow for those pings (by default it answers pings more often than
+# every 5 minutes with no call open by closing the connection: GOAWAY "too_many_pings").
+SERVER_KEEPALIVE = [("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
+                    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", 5000),
+                    ("grpc.http2.ping_timeout_ms", 5000)]
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to a worker that sends the internal token (if this process has one), once
     the worker has proved it holds it; else its first call raises proof.NotProven."""
-    ch = grpc.insecure_channel(address)
+    ch = grpc.insecure_channel(address, options=KEEPALIVE)
     token = internal_token()
     if not token:
         return ch
@@ -142,6 +159,7 @@ def prove(ch: grpc.Channel, timeout_s: float) -> None:
 def aio_channel(address: str) -> aio.Channel:
     token = internal_token()
     if not token:
-        return aio.insecure_channel(address)
+        return aio.insecure_channel(address, options=KEEPALIVE)
     check = proof.AioProof(token, address)
-    return aio.insecure_channel(address, interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check)])
+    return aio.insecure_channel(address, options=KEEPALIVE,
+                                interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check)])

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ CONTEXT = 512  # the tiny checkpoint's max_position_embeddings
 KV_BLOCKS = 160
 STALL_FLOOR_S = 1.5  # D's --stall-timeout: a stalled loop is judged wedged this soon
 EOS = 2
+ABORT_BOUND_S = 3.0  # D's --abort-bound: an abort unconfirmed this long sets its blocks aside
 RPC_TIMEOUT_S = 60.0
 
 
@@ -53,7 +55,8 @@ class Workers(NamedTuple):
     d: WorkerProc  # decode, with transfer
     victim: WorkerProc  # prefill, killed by test 3
     small: WorkerProc  # decode --no-transfer --max-num-seqs 1 --max-waiting 1
-    stall: dict[str, Path]  # role key ("p", "d", "victim") -> its stall file
+    term: WorkerProc  # prefill, shut down (SIGTERM) by test 3
+    stall: dict[str, Path]  # role key ("p", "d", "victim", "term") -> its stall file
 
 
 class Result(NamedTuple):
@@ -72,7 +75,7 @@ def model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def workers(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
-    stall = {k: tmp / f"{k}.stall" for k in ("p", "d", "victim")}
+    stall = {k: tmp / f"{k}.stall" for k in ("p", "d", "victim", "term")}
 
     def args(worker_id: int, blocks: int, budget: int, *more: str) -> list[str]:
         return ["--worker-id", str(worker_id), "--dtype", "float64", "--kv-blocks", str(blocks),
@@ -81,10 +84,12 @@ def workers(model, tmp_path_factory):
     procs = start_workers([
         # P's prefill of a long prompt takes many small steps: a wide window to act in.
         ("prefill", args(0, KV_BLOCKS, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["p"])}),
-        ("decode", args(0, KV_BLOCKS, BUDGET, "--stall-timeout", str(STALL_FLOOR_S)),
+        ("decode", args(0, KV_BLOCKS, BUDGET, "--stall-timeout", str(STALL_FLOOR_S), "--abort-bound",
+                        str(ABORT_BOUND_S)),
          {"PDSERVE_FAULT_STALL_FILE": str(stall["d"])}),
         ("prefill", args(1, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["victim"])}),
         ("decode", args(1, 64, BUDGET, "--no-transfer", "--max-num-seqs", "1", "--max-waiting", "1"), {}),
+        ("prefill", args(2, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["term"])}),
     ], model, tmp)
     try:
         yield Workers(*procs, stall)
@@ -356,6 +361,44 @@ def test_blocks_stay_reserved_until_the_prefill_worker_confirms_the_abort(worker
 
 # ---------------------------------------------------------------------------- 3. dead prefill worker
 
+def test_a_prefill_worker_gone_silent_costs_the_abort_bound_not_the_request(workers, reference):
+    """The victim freezes mid-prefill (SIGSTOP: its connections stay open, nothing answers).
+    gRPC keepalive fails D's Prefill call; the Abort gets no answer either, and that proves
+    nothing (the victim may resume and write). Past D's abort bound the request goes on
+    without its blocks (prefilled locally, the right tokens) while those blocks stay set
+    aside; they are free again once the victim, resumed, confirms the abort."""
+    d, victim = workers.d, workers.victim
+    prompt = _prompt(random.Random(12), 450)
+    [want] = reference([prompt], 8)
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["result"] = generate(d, prompt, prefill=[victim.address], rid="silent-req")
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        wait_until(lambda: (s := victim.stats()).running_requests + s.waiting_requests > 0, 20,
+                   "the victim to take the prompt")
+        with stalled(workers.stall["victim"]):  # mid-prefill, surely
+            victim.proc.send_signal(signal.SIGSTOP)
+        t.join(RPC_TIMEOUT_S)
+        assert not t.is_alive(), "Generate hung behind a silent prefill worker"
+        assert "error" not in box, box.get("error")
+        assert box["result"].tokens == want
+        _logged(d, "request silent-req: prefill on")
+        _logged(d, "blocks set aside as silent-req#unconfirmed")
+        s = d.stats()
+        assert s.free_blocks < s.total_blocks and s.running_requests == 0, s  # set aside while unconfirmed
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    _logged(d, "request silent-req: " + victim.address + " answered", timeout_s=30)
+    assert_idle(d, victim)
+
+
 def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(workers, reference):
     d, p, victim = workers.d, workers.p, workers.victim
     rng = random.Random(4)
@@ -387,6 +430,41 @@ def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(work
     [want] = reference([prompt], 8)
     assert generate(d, prompt, prefill=[victim.address], rid="dead-list").tokens == want
     _logged(d, "request dead-list: no prefill worker left")
+    assert_idle(d, p)
+
+
+def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers, reference):
+    """SIGTERM while `term` holds a request mid-prefill: its gRPC server keeps answering until
+    its loop has ended the request (push cancelled, reply sent) and stopped; only then does
+    its address refuse connections, which D takes as proof that nothing is being written.
+    The request completes on the next prefill worker, every block back."""
+    d, p, term = workers.d, workers.p, workers.term
+    prompt = _prompt(random.Random(13), 450)
+    [want] = reference([prompt], 8)
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["result"] = generate(d, prompt, prefill=[term.address, p.address], rid="term-req")
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until(lambda: (s := term.stats()).running_requests + s.waiting_requests > 0, 20,
+               "term to take the prompt")
+    with stalled(workers.stall["term"]):  # its loop holds the request while it is told to stop
+        term.proc.send_signal(signal.SIGTERM)
+        _logged(term, "shutting down")
+        s = term.stats()  # the server still answers: the loop has not let go of the request yet
+        assert s.running_requests + s.waiting_requests == 1, s
+    t.join(RPC_TIMEOUT_S)
+    assert not t.is_alive() and "error" not in box, box.get("error")
+    assert box["result"].tokens == want
+    assert term.proc.wait(30) == 0
+    log = term.log_path.read_text()
+    assert log.index("request term-req: abort asked") < log.index(": stopped"), log[-2000:]
+    _logged(d, f"request term-req: prefill on {term.address} failed")
     assert_idle(d, p)
 
 

@@ -35,6 +35,10 @@ _IDLE_WAIT_S = 0.001
 FAILED_ITERATIONS_BEFORE_GIVING_UP = 3
 
 
+class ShuttingDown(Exception):
+    """The worker is shutting down: it takes no new request (nothing of this one started)."""
+
+
 class EngineLoop:
     name = ""  # the worker's name (role-id-incarnation), set by subclasses: the stall fault matches it
 
@@ -48,6 +52,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.last_iteration = time.monotonic()  # a stalled loop stops moving this
         self.num_errors = 0  # iterations that raised (logged); the loop keeps going
+        self.closing = False  # shutting down: no new request is taken
         self.failing = 0  # iterations in a row that raised; 0 once one succeeds
         self.last_error = ""
         self._idle_command: Callable[[], None] | None = None
@@ -161,6 +166,23 @@ class EngineLoop:
                 self.submit(run)
             return self._probe
 
+    def holds_work(self) -> bool:
+        """Requests still held: what must end before the loop may stop (any thread)."""
+        return self.engine.has_unfinished()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """End every request (a prefill worker's pushes run to their end or are cancelled),
+        then stop the loop. Only after this may the gRPC server stop: a caller that finds
+        the address refusing connections then knows nothing of its requests is being written."""
+        self.closing = True
+        self.submit(lambda: self.fail_all("worker shutting down"))
+        deadline = time.monotonic() + timeout_s
+        while self.holds_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.holds_work():
+            log.warning("%s: requests still held after %.0fs of shutting down", self.name, timeout_s)
+        self.stop()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._commands.put(lambda: None)
@@ -222,7 +244,7 @@ class EngineLoop:
         log.error("%s: %d iterations in a row failed (%s): failing every request it holds",
                   self.name or "worker", self.failing, reason)
         try:
-            self.fail_all(reason)
+            self.fail_all(f"engine steps failed: {reason}")
         except Exception:
             log.exception("failing the requests failed")
 

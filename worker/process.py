@@ -21,7 +21,7 @@ from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from rpc import proof
 from rpc import pdserve_pb2_grpc as pb_grpc
-from rpc.auth import ServerAuth, internal_token, require_token_off_loopback
+from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.parent_watch import watch_parent
@@ -30,6 +30,7 @@ from worker.service import WorkerService
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING = 256
+SHUTDOWN_DRAIN_S = 30.0  # requests held at SIGTERM end within this (their pushes drained), then the server stops
 CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
 
 
@@ -94,7 +95,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     threads = rpc_threads(worker.engine.config.scheduler)
     log.info("%s: %d gRPC threads", worker.name, threads)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-                         interceptors=[ServerAuth(token)] if token else None)
+                         interceptors=[ServerAuth(token)] if token else None, options=SERVER_KEEPALIVE)
     add_servicer(server)
     pb_grpc.add_WorkerServicer_to_server(WorkerService(worker), server)  # TransferInfo, Health, Stats
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -111,7 +112,8 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
     done.wait()
     log.info("%s: shutting down", worker.name)
+    worker.shutdown(SHUTDOWN_DRAIN_S)  # the loop and its pushes first: only then the server (worker/loop.py)
     server.stop(grace=2.0).wait()
-    worker.stop()
+    log.info("%s: stopped", worker.name)
     if worker.agent is not None:
         worker.agent.close()
