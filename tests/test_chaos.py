@@ -1,5 +1,5 @@
 """The chaos scenarios of bench/chaos/ in their short form (`--quick` sizes), against the
-real `pdserve serve` (embedded Ray, 1 prefill + 2 decode workers, SmolLM2): overload at 5x
+real `pdserve serve` (embedded Ray, 2 prefill + 2 decode workers, SmolLM2): overload at 5x
 capacity on a deployment of its own whose gateway sheds past a TTFT bound; then, on one
 that never sheds, shared by the module, a cancellation storm, abuse, and the faults that
 replace processes (a wedged decode worker, kill -9 of the prefill worker, of a decode
@@ -26,8 +26,8 @@ GENEROUS_S = 180.0  # recovery and replacement bounds: correctness, not speed
 
 
 @contextmanager
-def deployment(workdir, max_ttft_s: float | None):
-    dep = chaos.Deployment(workdir, chaos.QUICK, max_ttft_s)
+def deployment(workdir, max_ttft_s: float | None, prefill_replicas: int = 1):
+    dep = chaos.Deployment(workdir, chaos.QUICK, max_ttft_s, prefill_replicas)
     dep.start()
     try:
         yield chaos.Chaos(dep, chaos.QUICK, random.Random(0))
@@ -39,8 +39,8 @@ def deployment(workdir, max_ttft_s: float | None):
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory):
     """The deployment the storm, the abuse and the faults share: it never sheds (429s would
-    hide what a fault did to a request)."""
-    with deployment(tmp_path_factory.mktemp("chaos"), None) as c:
+    hide what a fault did to a request). Two prefill workers: one may fail while the other serves."""
+    with deployment(tmp_path_factory.mktemp("chaos"), None, prefill_replicas=2) as c:
         yield c
 
 
@@ -113,6 +113,11 @@ def test_a_stuck_kv_transfer_ends_at_the_prefill_timeout_in_local_prefill(ctx):
 def test_failing_kv_transfers_fall_back_to_local_prefill(ctx):
     r = run(ctx, "transfer-error")
     assert r.completed == ctx.sizes.transfer_requests, r
+
+
+def test_a_prefill_worker_failing_every_push_sends_its_requests_to_the_other(ctx):
+    r = run(ctx, "transfer-error-first")  # all prefilled remotely, on the second: a problem() otherwise
+    assert r.completed == ctx.sizes.transfer_requests and r.figures["failed_on_first"] > 0, r
 
 
 def test_a_wedged_decode_worker_is_replaced(ctx):

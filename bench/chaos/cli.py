@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                          ([n for n in names if n != "overload"], None)):
         if not group:
             continue
-        dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, bound)
+        # Two prefill workers where the faults run: one of them may fail while the other serves.
+        dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, bound,
+                         prefill_replicas=1 if bound is not None else 2)
         _say(f"starting pdserve serve, TTFT bound {bound} (log: {dep.log})")
         dep.start()
         ctx = Chaos(dep, sizes, random.Random(args.seed))

@@ -46,8 +46,9 @@ class Deployment:
     inherits it) and names no worker until the wedge scenario writes one's name into it, and
     PDSERVE_FAULT_TRANSFER_FILE names a file that exists only while a transfer fault is on."""
 
-    def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None):
+    def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None, prefill_replicas: int = 1):
         self.workdir, self.sizes, self.max_ttft_s = workdir, sizes, max_ttft_s
+        self.prefill_replicas = prefill_replicas
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "serve.log"
@@ -62,7 +63,7 @@ class Deployment:
         self._token_before: str | None = None
 
     def config(self, token: str) -> dict:
-        return {"dtype": "auto", "prefill": {"replicas": 1, "kv_blocks": KV_BLOCKS},
+        return {"dtype": "auto", "prefill": {"replicas": self.prefill_replicas, "kv_blocks": KV_BLOCKS},
                 "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS,
                            "extra_args": ["--prefill-timeout", str(self.sizes.prefill_timeout_s)]},
                 "gateway": {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS},

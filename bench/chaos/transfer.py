@@ -3,17 +3,20 @@ into the prefill worker's pushes through PDSERVE_FAULT_TRANSFER_FILE (transfer/f
 while the deployment runs. The policy under test (docs/workers.md): a failed push moves the
 request to the next prefill worker, then to local prefill; a stuck one is aborted at the
 decode worker's --prefill-timeout and prefilled locally. Every request completes; a broken
-link costs latency, never a request or a block."""
+link costs latency, never a request or a block. With one of two prefill workers failing
+every push, its requests complete remotely on the other."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 from bench.chaos.client import client, completion, recover, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Record, Result
 from bench.serving import percentile
+from gateway.router import Router
 
 
 async def _remote_tokens(ctx: Chaos) -> int:
@@ -23,22 +26,24 @@ async def _remote_tokens(ctx: Chaos) -> int:
     return sum(s.kv_blocks_transferred * s.block_size for s in stats if s is not None)
 
 
-async def _batch(ctx: Chaos) -> tuple[list[Record], int]:
-    """The scenario's requests, all at once; and how many of them were prefilled remotely."""
+async def _batch(ctx: Chaos, bodies: list[dict] | None = None) -> tuple[list[Record], int]:
+    """The scenario's requests (fresh long prompts unless given), all at once; and how many
+    of them were prefilled remotely."""
     n, prompt = ctx.sizes.transfer_requests, ctx.sizes.long_prompt
+    bodies = bodies or [completion(prompt, 4, ctx.rng) for _ in range(n)]
     before = await _remote_tokens(ctx)
     async with client() as http:
-        records = await asyncio.gather(*(send(http, ctx.dep.url, completion(prompt, 4, ctx.rng)) for _ in range(n)))
+        records = await asyncio.gather(*(send(http, ctx.dep.url, body) for body in bodies))
     return records, round((await _remote_tokens(ctx) - before) / prompt)  # whole blocks: a slight over-count
 
 
-async def _with_fault(ctx: Chaos, res: Result, fault: str) -> Result:
+async def _with_fault(ctx: Chaos, res: Result, fault: str, bodies: list[dict] | None = None) -> Result:
     """The batch under `fault`, then the fault lifted: every request must have completed, and
     a fresh request must be served (and prefilled remotely) again."""
     ctx.dep.set_transfer_fault(fault)
     fault_at = time.monotonic()
     try:
-        records, remote = await _batch(ctx)
+        records, remote = await _batch(ctx, bodies)
     finally:
         ctx.dep.set_transfer_fault(None)
     lifted = await _remote_tokens(ctx)
@@ -83,3 +88,40 @@ async def transfer_stuck(ctx: Chaos) -> Result:
 async def transfer_error(ctx: Chaos) -> Result:
     """Half of the KV writes fail as a broken link would: those requests are prefilled locally."""
     return await _with_fault(ctx, Result("transfer-error", fault=True), "error_rate=0.5")
+
+
+def _failed_attempts_on(ctx: Chaos, address: str) -> int:
+    """Remote prefill attempts on `address` that the decode workers logged as failed."""
+    logs = [w["log"] for w in ctx.dep.workers() if w["role"] == "decode" and w.get("log")]
+    return sum(Path(log).read_text(errors="replace").count(f"prefill on {address} failed") for log in logs)
+
+
+async def transfer_error_first(ctx: Chaos) -> Result:
+    """Every KV write of the first prefill worker fails: its requests complete on the second,
+    prefilled remotely there (none locally), every block back."""
+    res = Result("transfer-error-first", fault=True)
+    prefill = sorted((w for w in await asyncio.to_thread(ctx.dep.workers) if w["role"] == "prefill"),
+                     key=lambda w: int(w["worker_id"]))
+    if len(prefill) < 2:
+        res.broken.append(f"needs two prefill workers, the deployment has {len(prefill)}")
+        return res
+    first, second = prefill[0], prefill[1]
+    # Prompts the gateway's router sends to the first worker first (its rendezvous ranking;
+    # the open gateway's prefix cache is shared, salt ""): each must fail there and move on.
+    ranking = Router([], [first["address"], second["address"]])
+    bodies: list[dict] = []
+    while len(bodies) < ctx.sizes.transfer_requests:
+        body = completion(ctx.sizes.long_prompt, 4, ctx.rng)
+        if ranking.rank_prefill(body["prompt"])[0] == first["address"]:
+            bodies.append(body)
+    failed_before = await asyncio.to_thread(_failed_attempts_on, ctx, first["address"])
+    res = await _with_fault(ctx, res, f"error_rate=1 only=prefill-{first['worker_id']}", bodies)
+    failed = await asyncio.to_thread(_failed_attempts_on, ctx, first["address"]) - failed_before
+    res.figures["failed_on_first"] = failed
+    res.notes.append(f"{failed} attempts failed on prefill worker {first['worker_id']}")
+    if failed == 0:
+        res.broken.append("no attempt reached the failing prefill worker: the scenario tested nothing")
+    if res.figures["prefilled_remotely"] < res.figures["requests"]:
+        res.broken.append(f"only {res.figures['prefilled_remotely']} of {res.figures['requests']} prefilled "
+                          "remotely: the second prefill worker should have served them all")
+    return res
