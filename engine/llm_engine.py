@@ -81,10 +81,18 @@ class StepResult:
     preempted: list[str]
     stats: StepStats | None
     chunks: list[ChunkRun] = field(default_factory=list)
+    kv_written: object = None  # on a GPU, an event recorded after the step's KV writes; None on CPU
 
     @property
     def ran(self) -> bool:
         return self.stats is not None
+
+    def wait_kv_written(self) -> None:
+        """Block until the step's KV is in memory. On a GPU a step that samples no row
+        returns before its kernels finish: anything that reads its KV blocks from outside
+        the stream (a NIXL write) must wait for this first. A no-op on CPU."""
+        if self.kv_written is not None:
+            self.kv_written.synchronize()
 
 
 class LLMEngine:
@@ -261,7 +269,16 @@ class LLMEngine:
         stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
         chunks = [ChunkRun(c.seq.request_id, c.block_table, c.context_len, c.seq.num_cached_tokens)
                   for c in out.chunks]
-        return StepResult(deltas, list(out.preempted), stats, chunks)
+        return StepResult(deltas, list(out.preempted), stats, chunks, _kv_written_event(self.config.device))
+
+
+def _kv_written_event(device) -> object:
+    """An event after the work queued so far on the current CUDA stream (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _with_eos(cfg: ModelConfig, extra: frozenset[int]) -> ModelConfig:

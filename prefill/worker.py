@@ -169,6 +169,8 @@ class PrefillWorker(EngineLoop):
                 # flight, rewrites those blocks (another prefill worker, or locally).
                 log.info("request %s: preempted here (KV full); aborting it", rid)
                 self.abort(rid)
+        if result.chunks:
+            result.wait_kv_written()  # a GPU step may still be writing the KV its pushes read
         now = time.monotonic()
         step_started = now - (result.stats.seconds if result.stats is not None else 0.0)
         sampled = {d.request_id: d for d in result.outputs}
