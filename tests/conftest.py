@@ -30,3 +30,29 @@ def smollm2_dir(smollm2_gguf: Path) -> Path:
     from engine.model_source import resolve_model
 
     return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def system(smollm2_dir, tmp_path_factory):
+    """The gateway tests' deployment: one prefill and one decode worker (SmolLM2, float32)
+    behind a `python -m gateway`; yields (url, prefill, decode)."""
+    from tests.gateway_procs import gateway
+    from tests.worker_procs import start_workers
+
+    logs = tmp_path_factory.mktemp("logs")
+    args = ["--dtype", "float32", "--kv-blocks", "512"]
+    prefill, decode = start_workers([("prefill", args, {}), ("decode", args, {})], smollm2_dir, logs, timeout_s=120)
+    try:
+        with gateway(smollm2_dir, [decode.address], [prefill.address], logs / "gateway.log") as url:
+            yield url, prefill, decode
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.fixture(scope="session")
+def client(system):
+    """The official `openai` client on `system`'s gateway."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{system[0]}/v1", api_key="unused", max_retries=0)

@@ -17,7 +17,7 @@ from bench.serving import (SLO, Load, Plan, RequestRecord, Run, Status, Target, 
                            summarize)
 from deploy.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
                             sample_workload, sharegpt_requests)
-from tests.test_gateway import gateway
+from tests.gateway_procs import gateway
 from tests.worker_procs import start_workers, wait_idle
 
 

@@ -25,7 +25,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.test_gateway import _free_port
+from tests.gateway_procs import free_port as _free_port
 from tests.worker_procs import REPO
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # every Ray process these tests start inherits it

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_gateway import gateway
+from tests.gateway_procs import gateway
 from tests.worker_procs import start_workers, wait_until
 
 ADMIN_TOKEN = "admin-token-for-the-test"

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from tests.test_gateway import gateway
+from tests.gateway_procs import gateway
 from tests.worker_procs import start_workers, wait_idle
 
 

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.test_gateway import gateway
+from tests.gateway_procs import gateway
 
 
 @pytest.fixture(scope="module")
