@@ -361,3 +361,37 @@ def test_a_step_that_fails_still_reports_what_its_schedule_preempted(model, monk
     worker.poll()
     assert replies["second"].done() and replies["second"].result(0).error.code == pb.CANCELLED  # its push stopped
     assert not replies["first"].done()
+
+
+def test_a_gpu_steps_kv_is_pushed_only_after_its_kernels(model, monkeypatch):
+    """On a GPU a step that samples no row (a middle chunk) returns before its kernels end:
+    the prefill worker waits on the event the engine recorded after them before it posts the
+    chunk's writes. The event is a stand-in here that records when it was waited on; on CPU
+    there is none, and nothing waits."""
+    import engine.llm_engine as llm_engine
+
+    assert llm_engine._kv_written_event("cpu") is None
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker, agent = _prefill_worker(engine, monkeypatch)
+    waited: list[int] = []  # writes already made when each step's event was waited on
+
+    class Event:
+        def synchronize(self) -> None:
+            waited.append(len(agent.nixl.made))
+
+    monkeypatch.setattr(llm_engine, "_kv_written_event", lambda device: Event())
+    prompt = list(range(3, 3 + 4 * BUDGET))  # four chunks, one per step
+    req = pb.PrefillRequest(request_id="r", prompt_token_ids=prompt,
+                            destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(8))))
+    worker.add(req, SamplingParams(temperature=0, max_tokens=4), Future(), timeout_s=30.0)
+    worker.step()  # the first chunk: nothing sampled, its two blocks pushed
+    assert waited == [0] and len(agent.nixl.made) > 0, (waited, agent.nixl.made)
+    made = len(agent.nixl.made)
+    worker.step()
+    assert waited == [0, made] and len(agent.nixl.made) > made
+    worker.abort("r")
+    for x in agent.nixl.made:
+        x.state = "DONE"
+    while engine.has_unfinished() or worker.requests:
+        worker.poll()
+        worker.step()
