@@ -35,7 +35,9 @@ class DecodeGroup:
     start: int
     end: int
     block_tables: torch.Tensor  # [n, max_blocks] int64, padded with block 0
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = valid key position
+    context_lens: torch.Tensor  # [n] int64
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = valid key position
+    # (None for op sets that read the blocks in place: DECODE_IN_PLACE)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class VarlenMetadata:
             num_decodes=groups[-1].end if groups else 0,
             decode_block_tables=torch.cat(decode_tables) if groups else no_rows,
             # a decode's context length is its number of valid key positions
-            decode_context_lens=torch.cat([g.mask.flatten(1).sum(dim=1) for g in groups]) if groups else no_rows[:, 0],
+            decode_context_lens=torch.cat([g.context_lens for g in groups]) if groups else no_rows[:, 0],
             prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=device),
             prefill_context_lens=torch.tensor([s.context_len for s in spans], dtype=torch.int64, device=device),
             prefill_block_tables=pad_sequence([s.block_table for s in spans], batch_first=True) if spans else no_rows,
@@ -133,8 +135,13 @@ def paged_attention(
     if ops.BATCHED:
         return _batched_attention(ops, q, k_cache, v_cache, VarlenMetadata.of(meta), scale)
     parts = []
+    in_place = getattr(ops, "DECODE_IN_PLACE", False)
     for g in meta.decodes:
-        parts.append(ops.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.mask, scale))
+        if in_place:
+            parts.append(ops.paged_decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables,
+                                                    g.context_lens, scale))
+        else:
+            parts.append(ops.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.mask, scale))
     for span in meta.prefills:
         s, e = span.start, span.start + span.num_new
         if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context

@@ -59,12 +59,17 @@ class ModelRunner:
         sample_rows = [i for i, c in enumerate(decodes) if c.sample]
         sampled = [c for c in decodes if c.sample]
         groups = []
-        for i, j in group_by_length([c.context_len for c in decodes]):
+        # Gathering ops pay for padding: decodes go in groups of similar length. One that reads
+        # the blocks in place reads each context's own length: one group.
+        in_place = getattr(self.model.ops, "DECODE_IN_PLACE", False)
+        runs = [(0, len(decodes))] if in_place and decodes else group_by_length([c.context_len for c in decodes])
+        for i, j in runs:
             width = max(len(c.block_table) for c in decodes[i:j])
             tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in decodes[i:j]],
                                   dtype=torch.int64)
             lens = torch.tensor([c.context_len for c in decodes[i:j]], dtype=torch.int64)
-            groups.append(DecodeGroup(i, j, tables.to(self.device), build_decode_mask(lens, width * bs).to(self.device)))
+            mask = None if in_place else build_decode_mask(lens, width * bs).to(self.device)
+            groups.append(DecodeGroup(i, j, tables.to(self.device), lens.to(self.device), mask))
         spans = []
         offset = len(decodes)
         for c in prefills:

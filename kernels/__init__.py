@@ -1,14 +1,17 @@
 """Compute kernels behind one dispatch point.
 
-`get_ops(device)` returns the op set the model, attention and sampler call: on CPU the
-torch ops in `kernels.reference` (the production CPU path, and every kernel's oracle), on
-CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
-paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and nowhere
-else, overrides the choice: `torch` takes the references everywhere, `triton` the Triton
-kernels everywhere (on CPU they run in Triton's interpreter: slow, for tests).
+`get_ops(device)` returns the op set the model, attention and sampler call: on CPU
+`kernels.native_ops` (the torch ops of `kernels.reference`, every kernel's oracle, with
+native decode attention built for this host's ISA; the references alone if it cannot be
+built), on CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside
+them: paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and
+nowhere else (with PDSERVE_CACHE_DIR, where the native library is cached), overrides the
+choice: `torch` takes the references everywhere, `triton` the Triton kernels everywhere
+(on CPU they run in Triton's interpreter: slow, for tests).
 
 An op set is a module with:
-  NAME, BATCHED   "torch"/False or "triton"/True
+  NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
+  DECODE_IN_PLACE (native) paged_decode_attention takes the step's decodes, context lengths
   write_kv, rms_norm, add_rms_norm, rotary, pack_blocks, unpack_blocks
   BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
                   chunk over its gathered context), gather_context; engine/sampler.py
@@ -20,7 +23,9 @@ kernels.reference also has the BATCHED forms (the oracles of the Triton kernels)
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -42,6 +47,10 @@ def get_ops(device: torch.device | str) -> ModuleType:
     """The op set for tensors on `device` (see the module docstring)."""
     choice = kernel_choice()
     device = torch.device(device)
+    if choice == "auto" and device.type == "cpu":
+        native = _native_ops()
+        if native is not None:
+            return native
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         from kernels import reference
 
@@ -52,6 +61,23 @@ def get_ops(device: torch.device | str) -> ModuleType:
     log_choice(f"kernels on {device.type}", "Triton" + (" (interpreter)" if device.type == "cpu" else ""),
                "PDSERVE_KERNELS=triton" if choice == "triton" else "a CUDA device")
     return ops
+
+
+@functools.cache
+def _native_ops() -> ModuleType | None:
+    """kernels.native_ops, its library built for this host (once per process), or None
+    with the reason logged: the torch ops serve then."""
+    from kernels import native, native_ops
+
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    try:
+        native_ops.init(cache)
+    except (native.NativeUnavailable, OSError) as e:
+        log_choice("kernels on cpu", "torch ops (kernels.reference)", f"the native kernels are unavailable: {e}")
+        return None
+    log_choice("kernels on cpu", f"native decode attention ({native.isa_level()}) + torch ops",
+               "it reads the KV blocks in place (no gather copy)")
+    return native_ops
 
 
 def _triton_ops(device: torch.device) -> ModuleType:

@@ -1,0 +1,118 @@
+"""Native CPU kernels (kernels/csrc/), built with the host's C++ compiler and loaded through
+ctypes: paged decode attention that reads K/V in place through the block tables.
+
+Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
+`x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
+the flags, at the first use in a process (a worker's start-up, never a request's path: a
+second or two, logged). No torch headers: the library takes raw pointers and element
+strides. With no compiler, `load` raises `NativeUnavailable` naming what is missing, and
+the caller falls back to the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kernels.host import cpu
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
+_COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+ARGTYPES = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
+            _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _INT]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be built or loaded on this host (the message says why)."""
+
+
+def isa_level() -> str:
+    """The widest vector ISA this host runs: avx512, avx2 or generic."""
+    caps = cpu()
+    if caps.avx512:
+        return "avx512"
+    return "avx2" if caps.torch_isa.startswith("AVX2") or caps.torch_isa.startswith("AVX512") else "generic"
+
+
+def build(cache_dir: Path, level: str | None = None) -> Path:
+    """The shared library for `level` (default: this host's), compiled unless cached."""
+    level = level or isa_level()
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise NativeUnavailable("no C++ compiler found (install g++, or set CXX): native CPU kernels are off")
+    flags = [*_COMMON, *_FLAGS[level]]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = cache_dir / "native" / f"paged_decode-{level}-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building native CPU kernels for %s (%s)", level, " ".join(_FLAGS[level]))
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise NativeUnavailable(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+        out.replace(target)  # atomic: concurrent builders (workers starting together) agree
+    return target
+
+
+@functools.cache
+def load(cache_dir: Path) -> ctypes.CDLL:
+    """The library for this host, built if need be (once per process)."""
+    return open_library(build(cache_dir))
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built library, its function typed."""
+    lib = ctypes.CDLL(str(path))
+    fn = lib.pdserve_paged_decode
+    fn.argtypes = ARGTYPES
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], head_dim contiguous
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    context_lens: torch.Tensor,  # [num_seqs] int64
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """kernels.reference.paged_decode_attention, reading each block where it lies."""
+    num_seqs, num_heads, head_dim = q.shape
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"native decode attention takes float32 or bfloat16, one dtype (got {q.dtype}, "
+                        f"{k_cache.dtype}, {v_cache.dtype})")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("native decode attention needs head_dim contiguous in q and the caches")
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    rc = lib.pdserve_paged_decode(
+        DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
+        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"native decode attention refused the shapes: {num_heads} heads over {k_cache.shape[2]} "
+                         f"KV heads, head_dim {head_dim}")
+    return out

@@ -1,0 +1,59 @@
+"""The CPU op set with native kernels where they win: the torch ops of kernels.reference,
+but decode attention reads K/V in place through the block tables (kernels/native.py,
+kernels/csrc/paged_decode.cpp) instead of gathering every block into a copy first.
+
+`kernels.get_ops` returns this module on CPU when the library builds here, else
+kernels.reference (and says why). DECODE_IN_PLACE tells engine/attention.py to call
+`paged_decode_attention` with context lengths, one call over all the step's decodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kernels import native, reference
+from kernels.reference import (  # noqa: F401  (the rest of the op set, unchanged)
+    add_rms_norm,
+    decode_attention,
+    gather_context,
+    pack_blocks,
+    paged_prefill_attention,
+    prefill_attention,
+    rms_norm,
+    rotary,
+    sample,
+    sampling_mask,
+    unpack_blocks,
+    write_kv,
+)
+
+__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "init", "paged_decode_attention", "add_rms_norm",
+           "decode_attention", "gather_context", "pack_blocks", "paged_prefill_attention", "prefill_attention",
+           "rms_norm", "rotary", "sample", "sampling_mask", "unpack_blocks", "write_kv"]
+
+NAME = "native"
+BATCHED = False
+DECODE_IN_PLACE = True
+
+_lib = None
+
+
+def init(cache_dir: Path) -> None:
+    """Build (or find) and load the library; raises native.NativeUnavailable."""
+    global _lib
+    _lib = native.load(cache_dir)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.reference.paged_decode_attention; natively in float32 and bfloat16 (the
+    dtypes served), by the reference in any other (float64 in tests)."""
+    if q.dtype in native.DTYPES:
+        return native.paged_decode_attention(_lib, q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    result = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

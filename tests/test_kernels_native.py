@@ -1,0 +1,78 @@
+"""The native CPU decode attention (kernels/csrc/paged_decode.cpp) against the torch
+reference on random inputs: float32 and bfloat16, grouped-query shapes, block sizes,
+contexts from one token to several hundred, pools viewed out of a block-major tensor (as
+engine/kv_cache.py lays them out), at every ISA level this host can run."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+import kernels
+from kernels import native, native_ops, reference
+from kernels.host import cpu
+
+LEVELS = ["generic"] + (["avx2"] if cpu().torch_isa.startswith(("AVX2", "AVX512")) else []) + \
+    (["avx512"] if cpu().avx512 else [])
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
+    cache = tmp_path_factory.mktemp("native")
+    return {level: native.open_library(native.build(cache, level)) for level in LEVELS}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32)])
+def test_native_decode_attention_matches_the_reference(libraries, level, dtype, heads, kv_heads, head_dim,
+                                                        block_size):
+    rng = random.Random(hash((level, str(dtype), heads, head_dim)) & 0xFFFF)
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    num_blocks = 96
+    pool = torch.randn(num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)  # block-major
+    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    lens = [1, 2, block_size, block_size + 1, 37, 300, rng.randrange(1, 400)]
+    width = max(-(-n // block_size) for n in lens)
+    perm = list(range(num_blocks))
+    tables = []
+    for n in lens:
+        rng.shuffle(perm)
+        tables.append(perm[:width])
+    tables = torch.tensor(tables, dtype=torch.int64)
+    context_lens = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim ** -0.5
+    want = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, context_lens,
+                                            scale)
+    got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, context_lens, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+
+
+def test_shapes_the_kernel_cannot_take_are_refused(libraries):
+    lib = libraries[LEVELS[-1]]
+    k = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(ValueError, match="refused the shapes"):  # 8 heads over 3 KV heads
+        native.paged_decode_attention(lib, torch.zeros(1, 8, 64), k, k, torch.zeros(1, 1, dtype=torch.int64),
+                                      torch.ones(1, dtype=torch.int64), 1.0)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        native.paged_decode_attention(lib, torch.zeros(1, 3, 64, dtype=torch.float16), k.half(), k.half(),
+                                      torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
+
+
+def test_auto_on_cpu_is_the_native_op_set_where_a_compiler_is(monkeypatch):
+    monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
+    assert kernels.get_ops("cpu") is native_ops
+    assert native_ops.DECODE_IN_PLACE and not native_ops.BATCHED
+    q = torch.randn(2, 4, 16, dtype=torch.float64)  # float64 (tests' exact dtype): the reference serves it
+    k = torch.randn(8, 4, 2, 16, dtype=torch.float64)
+    tables, lens = torch.tensor([[1, 2], [3, 4]]), torch.tensor([5, 8])
+    torch.testing.assert_close(native_ops.paged_decode_attention(q, k, k, tables, lens, 0.25),
+                               reference.paged_decode_attention(q, k, k, tables, lens, 0.25))
