@@ -200,6 +200,31 @@ def _logged(w: WorkerProc, text: str, timeout_s: float = 10.0) -> None:
     wait_until(lambda: text in w.log_path.read_text(errors="replace"), timeout_s, f"{text!r} in {w.role}'s log")
 
 
+def _generate_held_by(d: WorkerProc, holder: WorkerProc, prompt: list[int], prefill: list[str], rid: str):
+    """Start generate() on a thread; return once the prefill worker `holder` has taken the
+    prompt, with a function that joins the thread (bounded) and returns its Result."""
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["result"] = generate(d, prompt, prefill=prefill, rid=rid)
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    wait_until(lambda: (s := holder.stats()).running_requests + s.waiting_requests > 0, 20,
+               f"{holder.address} to take request {rid}")
+
+    def result() -> Result:
+        t.join(RPC_TIMEOUT_S)
+        assert not t.is_alive(), f"request {rid}: Generate hung"
+        assert "error" not in box, box.get("error")
+        return box["result"]
+
+    return result
+
+
 # ---------------------------------------------------------------------------- 1. outputs
 
 def _mixed_prompts(seed: int) -> list[list[int]]:
@@ -370,25 +395,11 @@ def test_a_prefill_worker_gone_silent_costs_the_abort_bound_not_the_request(work
     d, victim = workers.d, workers.victim
     prompt = _prompt(random.Random(12), 450)
     [want] = reference([prompt], 8)
-    box: dict[str, object] = {}
-
-    def run():
-        try:
-            box["result"] = generate(d, prompt, prefill=[victim.address], rid="silent-req")
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
+    result = _generate_held_by(d, victim, prompt, [victim.address], "silent-req")
     try:
-        wait_until(lambda: (s := victim.stats()).running_requests + s.waiting_requests > 0, 20,
-                   "the victim to take the prompt")
         with stalled(workers.stall["victim"]):  # mid-prefill, surely
             victim.proc.send_signal(signal.SIGSTOP)
-        t.join(RPC_TIMEOUT_S)
-        assert not t.is_alive(), "Generate hung behind a silent prefill worker"
-        assert "error" not in box, box.get("error")
-        assert box["result"].tokens == want
+        assert result().tokens == want
         _logged(d, "request silent-req: prefill on")
         _logged(d, "blocks set aside as silent-req#unconfirmed")
         s = d.stats()
@@ -404,24 +415,10 @@ def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(work
     rng = random.Random(4)
     prompt = _prompt(rng, 450)
     [want] = reference([prompt], 8)
-    box: dict[str, object] = {}
-
-    def run():
-        try:
-            box["result"] = generate(d, prompt, prefill=[victim.address, p.address], rid="victim-req")
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    wait_until(lambda: (s := victim.stats()).running_requests + s.waiting_requests > 0, 20,
-               "the victim to take the prompt")
+    result = _generate_held_by(d, victim, prompt, [victim.address, p.address], "victim-req")
     with stalled(workers.stall["victim"]):  # freeze it mid-prefill, so the kill surely lands inside
         victim.kill()
-    t.join(RPC_TIMEOUT_S)
-    assert not t.is_alive(), "Generate hung after its prefill worker died"
-    assert "error" not in box, box.get("error")
-    assert box["result"].tokens == want  # moved to P, or prefilled locally
+    assert result().tokens == want  # moved to P, or prefilled locally
     _logged(d, f"request victim-req: prefill on {victim.address} failed")
     assert_idle(d, p)
 
@@ -441,26 +438,13 @@ def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers
     d, p, term = workers.d, workers.p, workers.term
     prompt = _prompt(random.Random(13), 450)
     [want] = reference([prompt], 8)
-    box: dict[str, object] = {}
-
-    def run():
-        try:
-            box["result"] = generate(d, prompt, prefill=[term.address, p.address], rid="term-req")
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    wait_until(lambda: (s := term.stats()).running_requests + s.waiting_requests > 0, 20,
-               "term to take the prompt")
+    result = _generate_held_by(d, term, prompt, [term.address, p.address], "term-req")
     with stalled(workers.stall["term"]):  # its loop holds the request while it is told to stop
         term.proc.send_signal(signal.SIGTERM)
         _logged(term, "shutting down")
         s = term.stats()  # the server still answers: the loop has not let go of the request yet
         assert s.running_requests + s.waiting_requests == 1, s
-    t.join(RPC_TIMEOUT_S)
-    assert not t.is_alive() and "error" not in box, box.get("error")
-    assert box["result"].tokens == want
+    assert result().tokens == want
     assert term.proc.wait(30) == 0
     log = term.log_path.read_text()
     assert log.index("request term-req: abort asked") < log.index(": stopped"), log[-2000:]
