@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 NAME, NAMESPACE = "pdserve-controller", "pdserve"
 PLACEMENT_TIMEOUT_S = 60.0  # a bundle the cluster cannot place in this time is an error
+DRAIN_SETTLE_S = 1.0  # idle this long before a drained worker stops: a network bound on a request routed to it just before
 
 
 class Controller:
@@ -190,16 +191,24 @@ class Controller:
         self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
 
     def _drain(self, slot: Slot) -> None:
-        """Out of the gateway's membership, then stopped once idle. A slow worker is given the
+        """Out of the gateway's membership, then stopped once idle for DRAIN_SETTLE_S (a
+        request routed just before the membership changed arrives within it). A slow worker is given the
         time its requests take; only a wedged one (no progress within its own stall bound) or
         the user's bound `drain_timeout_s` cuts the drain short."""
         self._event(f"{slot.role} worker {slot.worker_id}: draining")
         deadline = time.monotonic() + self.config.drain_timeout_s
         checked = time.monotonic()
+        idle_since: float | None = None
         while True:
             stats = self._stats(slot)
-            if stats is None or (stats.running_requests == 0 and stats.waiting_requests == 0):
+            if stats is None:
                 break
+            if stats.running_requests == 0 and stats.waiting_requests == 0:
+                idle_since = idle_since if idle_since is not None else time.monotonic()
+                if time.monotonic() - idle_since >= DRAIN_SETTLE_S:
+                    break
+            else:
+                idle_since = None
             if time.monotonic() >= deadline:
                 self._event(f"{slot.role} worker {slot.worker_id}: still busy at the drain bound "
                             f"({self.config.drain_timeout_s:g}s); stopping it")

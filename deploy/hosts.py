@@ -51,7 +51,9 @@ class HostedProcess:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout_s: float = 10.0) -> int:
+    def stop(self, timeout_s: float = 15.0) -> int:
+        """SIGTERM, and SIGKILL if it has not ended within `timeout_s` (a worker's own
+        shutdown takes at most worker/process.py's SHUTDOWN_FINISH_S + SHUTDOWN_FAIL_S)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -170,17 +170,24 @@ class EngineLoop:
         """Requests still held: what must end before the loop may stop (any thread)."""
         return self.engine.has_unfinished()
 
-    def shutdown(self, timeout_s: float) -> None:
-        """End every request (a prefill worker's pushes run to their end or are cancelled),
-        then stop the loop. Only after this may the gRPC server stop: a caller that finds
-        the address refusing connections then knows nothing of its requests is being written."""
+    def shutdown(self, finish_s: float, fail_s: float) -> None:
+        """Take no new request; give those held `finish_s` to end on their own (one routed
+        here just before a drain found the worker idle), then end the rest (a prefill
+        worker's pushes run to their end or are cancelled) within `fail_s`; then stop the
+        loop. Only after this may the gRPC server stop: a caller that finds the address
+        refusing connections then knows nothing of its requests is being written."""
         self.closing = True
-        self.submit(lambda: self.fail_all("worker shutting down"))
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + finish_s
         while self.holds_work() and time.monotonic() < deadline:
             time.sleep(0.02)
         if self.holds_work():
-            log.warning("%s: requests still held after %.0fs of shutting down", self.name, timeout_s)
+            log.info("%s: requests still held %.0fs after SIGTERM: ending them", self.name, finish_s)
+            self.submit(lambda: self.fail_all("worker shutting down"))
+            deadline = time.monotonic() + fail_s
+            while self.holds_work() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if self.holds_work():
+            log.warning("%s: requests still held after shutting down for %.0fs", self.name, finish_s + fail_s)
         self.stop()
 
     def stop(self, timeout: float = 5.0) -> None:
