@@ -1,13 +1,15 @@
 """Compute kernels behind one dispatch point.
 
-`get_ops(device)` returns the op set the model, attention and sampler call: on CPU
-`kernels.native_ops` (the torch ops of `kernels.reference`, every kernel's oracle, with
-native decode attention built for this host's ISA; the references alone if it cannot be
-built), on CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside
-them: paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and
-nowhere else (with PDSERVE_CACHE_DIR, where the native library is cached), overrides the
-choice: `torch` takes the references everywhere, `triton` the Triton kernels everywhere
-(on CPU they run in Triton's interpreter: slow, for tests).
+`get_ops(device)` returns the op set the model, attention and sampler call: on CPU the
+torch ops in `kernels.reference` (the production CPU path, and every kernel's oracle), on
+CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
+paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and nowhere
+else (with PDSERVE_CACHE_DIR, where the native library is cached), overrides the choice:
+`torch` takes the references everywhere, `triton` the Triton kernels everywhere (on CPU
+they run in Triton's interpreter: slow, for tests), `native` on CPU `kernels.native_ops`:
+the references with decode attention read in place by a kernel built for this host's ISA
+(not the default yet: bench/RESULTS.md has where it wins and where oneDNN's bf16 SDPA is
+faster).
 
 An op set is a module with:
   NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
@@ -24,6 +26,7 @@ kernels.reference also has the BATCHED forms (the oracles of the Triton kernels)
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 from types import ModuleType
@@ -32,11 +35,14 @@ import torch
 
 from kernels.host import log_choice
 
-_CHOICES = ("auto", "torch", "triton")
+log = logging.getLogger(__name__)
+
+_CHOICES = ("auto", "torch", "triton", "native")
 
 
 def kernel_choice() -> str:
-    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, torch elsewhere), `torch` or `triton`."""
+    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, torch elsewhere), `torch`, `triton` or
+    `native` (CPU: the torch ops with the native decode attention)."""
     value = os.environ.get("PDSERVE_KERNELS", "").strip().lower() or "auto"
     if value not in _CHOICES:
         raise ValueError(f"PDSERVE_KERNELS={value!r}: use one of {', '.join(_CHOICES)}")
@@ -47,10 +53,13 @@ def get_ops(device: torch.device | str) -> ModuleType:
     """The op set for tensors on `device` (see the module docstring)."""
     choice = kernel_choice()
     device = torch.device(device)
-    if choice == "auto" and device.type == "cpu":
+    if choice == "native":
+        if device.type != "cpu":
+            raise ValueError(f"PDSERVE_KERNELS=native is for CPU tensors, not {device.type}")
         native = _native_ops()
-        if native is not None:
-            return native
+        if native is None:
+            raise RuntimeError("PDSERVE_KERNELS=native, but the native kernels cannot be built here (see the log)")
+        return native
     if choice == "torch" or (choice == "auto" and device.type != "cuda"):
         from kernels import reference
 
@@ -66,17 +75,16 @@ def get_ops(device: torch.device | str) -> ModuleType:
 @functools.cache
 def _native_ops() -> ModuleType | None:
     """kernels.native_ops, its library built for this host (once per process), or None
-    with the reason logged: the torch ops serve then."""
+    with the reason logged."""
     from kernels import native, native_ops
 
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     try:
         native_ops.init(cache)
     except (native.NativeUnavailable, OSError) as e:
-        log_choice("kernels on cpu", "torch ops (kernels.reference)", f"the native kernels are unavailable: {e}")
+        log.warning("the native kernels are unavailable: %s", e)
         return None
-    log_choice("kernels on cpu", f"native decode attention ({native.isa_level()}) + torch ops",
-               "it reads the KV blocks in place (no gather copy)")
+    log_choice("kernels on cpu", f"native decode attention ({native.isa_level()}) + torch ops", "PDSERVE_KERNELS=native")
     return native_ops
 
 

@@ -2,8 +2,8 @@
 but decode attention reads K/V in place through the block tables (kernels/native.py,
 kernels/csrc/paged_decode.cpp) instead of gathering every block into a copy first.
 
-`kernels.get_ops` returns this module on CPU when the library builds here, else
-kernels.reference (and says why). DECODE_IN_PLACE tells engine/attention.py to call
+`kernels.get_ops` returns this module on CPU with PDSERVE_KERNELS=native (an error if the
+library cannot be built here). DECODE_IN_PLACE tells engine/attention.py to call
 `paged_decode_attention` with context lengths, one call over all the step's decodes.
 """
 

@@ -67,12 +67,40 @@ def test_shapes_the_kernel_cannot_take_are_refused(libraries):
                                       torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
 
 
-def test_auto_on_cpu_is_the_native_op_set_where_a_compiler_is(monkeypatch):
-    monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
+def test_pdserve_kernels_native_selects_the_native_op_set(monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNELS", "native")
     assert kernels.get_ops("cpu") is native_ops
     assert native_ops.DECODE_IN_PLACE and not native_ops.BATCHED
+    with pytest.raises(ValueError, match="for CPU tensors"):
+        kernels.get_ops("cuda")
     q = torch.randn(2, 4, 16, dtype=torch.float64)  # float64 (tests' exact dtype): the reference serves it
     k = torch.randn(8, 4, 2, 16, dtype=torch.float64)
     tables, lens = torch.tensor([[1, 2], [3, 4]]), torch.tensor([5, 8])
     torch.testing.assert_close(native_ops.paged_decode_attention(q, k, k, tables, lens, 0.25),
                                reference.paged_decode_attention(q, k, k, tables, lens, 0.25))
+
+
+def test_the_engine_gives_the_same_greedy_tokens_through_the_native_op_set(tmp_path, monkeypatch):
+    """float32, a tiny random model, a batch of prompts of mixed lengths decoded together:
+    the same tokens through the native decode attention as through the torch ops."""
+    from engine.config import CacheConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from tests.tiny_models import VOCAB, write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa", seed=3)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 40, 90)]
+    outputs = {}
+    for choice in ("torch", "native"):
+        monkeypatch.setenv("PDSERVE_KERNELS", choice)
+        engine = LLMEngine.from_folder(folder, "float32", CacheConfig(16, 64), SchedulerConfig(64, 8, 512))
+        assert engine.runner.model.ops is (native_ops if choice == "native" else reference)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        tokens = {f"r{i}": [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.token_ids)
+        outputs[choice] = tokens
+    assert outputs["native"] == outputs["torch"]

@@ -21,7 +21,6 @@ import torch
 
 import kernels
 from engine.seeded_random import seeded_exponentials
-from kernels import native_ops
 from kernels import reference as ref
 from kernels import triton_ops as tri
 
@@ -35,13 +34,13 @@ TOL = {  # output vs a float32 reference on the same (rounded) inputs
 def test_the_interpreter_is_on_and_dispatch_follows_pdserve_kernels(monkeypatch):
     assert tri.INTERPRET
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
-    assert kernels.get_ops("cpu") is native_ops  # tests/test_kernels_native.py: the reference where no compiler is
+    assert kernels.get_ops("cpu") is ref
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
     assert kernels.get_ops("cpu") is tri
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")
     assert kernels.get_ops("cpu") is ref
     monkeypatch.setenv("PDSERVE_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="auto, torch, triton"):
+    with pytest.raises(ValueError, match="auto, torch, triton, native"):
         kernels.get_ops("cpu")
 
 

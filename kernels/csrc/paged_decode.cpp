@@ -38,6 +38,14 @@ inline void load_row(const uint16_t* src, float* dst, int n) {
   for (int i = 0; i < n; ++i) bits[i] = static_cast<uint32_t>(src[i]) << 16;
 }
 
+// A row as fp32: float32 rows are read where they lie, bfloat16 ones widened into `buf`.
+inline const float* as_f32(const float* src, float*, int) { return src; }
+
+inline const float* as_f32(const uint16_t* src, float* buf, int n) {
+  load_row(src, buf, n);
+  return buf;
+}
+
 inline void store_row(const float* src, float* dst, int n) { std::memcpy(dst, src, sizeof(float) * n); }
 
 inline void store_row(const float* src, uint16_t* dst, int n) {
@@ -67,16 +75,19 @@ void decode(const T* q, int64_t q_st, int64_t q_sh, const T* k, int64_t k_sb, in
         load_row(q + s * q_st + static_cast<int64_t>(h * G + g) * q_sh, &qf[g * head_dim], head_dim);
         for (int d = 0; d < head_dim; ++d) qf[g * head_dim + d] *= scale;
       }
-      // Scores: each K row once, for the G query heads.
-      for (int64_t p = 0; p < ctx; ++p) {
-        const int64_t b = table[p / block_size];
-        load_row(k + b * k_sb + (p % block_size) * k_ss + h * k_sh, row.data(), head_dim);
-        for (int g = 0; g < G; ++g) {
-          const float* qg = &qf[g * head_dim];
-          float dot = 0.f;
+      // Scores: each K row once, for the G query heads; block by block (no division per position).
+      for (int64_t p0 = 0, bi = 0; p0 < ctx; p0 += block_size, ++bi) {
+        const int n = static_cast<int>(ctx - p0 < block_size ? ctx - p0 : block_size);
+        const T* base = k + table[bi] * k_sb + h * k_sh;
+        for (int j = 0; j < n; ++j) {
+          const float* kr = as_f32(base + j * k_ss, row.data(), head_dim);
+          for (int g = 0; g < G; ++g) {
+            const float* qg = &qf[g * head_dim];
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int d = 0; d < head_dim; ++d) dot += qg[d] * row[d];
-          scores[g * ctx + p] = dot;
+            for (int d = 0; d < head_dim; ++d) dot += qg[d] * kr[d];
+            scores[g * ctx + p0 + j] = dot;
+          }
         }
       }
       float inv_sum[64];  // G <= 64 (checked by the caller)
@@ -93,14 +104,17 @@ void decode(const T* q, int64_t q_st, int64_t q_sh, const T* k, int64_t k_sb, in
       }
       // Output: each V row once, weighted into the G accumulators.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < ctx; ++p) {
-        const int64_t b = table[p / block_size];
-        load_row(v + b * v_sb + (p % block_size) * v_ss + h * v_sh, row.data(), head_dim);
-        for (int g = 0; g < G; ++g) {
-          const float w_gp = scores[g * ctx + p];
-          float* ag = &acc[g * head_dim];
+      for (int64_t p0 = 0, bi = 0; p0 < ctx; p0 += block_size, ++bi) {
+        const int n = static_cast<int>(ctx - p0 < block_size ? ctx - p0 : block_size);
+        const T* base = v + table[bi] * v_sb + h * v_sh;
+        for (int j = 0; j < n; ++j) {
+          const float* vr = as_f32(base + j * v_ss, row.data(), head_dim);
+          for (int g = 0; g < G; ++g) {
+            const float w_gp = scores[g * ctx + p0 + j];
+            float* ag = &acc[g * head_dim];
 #pragma omp simd
-          for (int d = 0; d < head_dim; ++d) ag[d] += w_gp * row[d];
+            for (int d = 0; d < head_dim; ++d) ag[d] += w_gp * vr[d];
+          }
         }
       }
       for (int g = 0; g < G; ++g) {
