@@ -39,8 +39,8 @@ async def unless_gone(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]
                 t.cancel()
     if task.done() and not task.cancelled():
         return task.result()  # it ended first (or with the client: its answer is done anyway)
-    if watch.done() and not watch.cancelled() and watch.exception() is not None:
-        pass  # receive() itself failed: the connection is as good as gone
+    if not watch.cancelled():
+        watch.exception()  # a receive() that failed counts as gone (and its error is not left unread)
     try:
         await task
     except asyncio.CancelledError:
