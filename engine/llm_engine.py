@@ -98,6 +98,7 @@ class StepResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self._on_cuda = torch.device(config.device).type == "cuda"  # steps record a KV-written event
         t0 = time.perf_counter()
         model = CausalLM(config.model, config.dtype, config.device)
         load_weights(model, config.model_path)
@@ -269,12 +270,12 @@ class LLMEngine:
         stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
         chunks = [ChunkRun(c.seq.request_id, c.block_table, c.context_len, c.seq.num_cached_tokens)
                   for c in out.chunks]
-        return StepResult(deltas, list(out.preempted), stats, chunks, _kv_written_event(self.config.device))
+        return StepResult(deltas, list(out.preempted), stats, chunks, _kv_written_event(self._on_cuda))
 
 
-def _kv_written_event(device) -> object:
+def _kv_written_event(on_cuda: bool) -> object:
     """An event after the work queued so far on the current CUDA stream (None off CUDA)."""
-    if torch.device(device).type != "cuda":
+    if not on_cuda:
         return None
     event = torch.cuda.Event()
     event.record()

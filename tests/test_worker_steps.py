@@ -370,7 +370,7 @@ def test_a_gpu_steps_kv_is_pushed_only_after_its_kernels(model, monkeypatch):
     there is none, and nothing waits."""
     import engine.llm_engine as llm_engine
 
-    assert llm_engine._kv_written_event("cpu") is None
+    assert llm_engine._kv_written_event(False) is None
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker, agent = _prefill_worker(engine, monkeypatch)
     waited: list[int] = []  # writes already made when each step's event was waited on
@@ -379,7 +379,7 @@ def test_a_gpu_steps_kv_is_pushed_only_after_its_kernels(model, monkeypatch):
         def synchronize(self) -> None:
             waited.append(len(agent.nixl.made))
 
-    monkeypatch.setattr(llm_engine, "_kv_written_event", lambda device: Event())
+    monkeypatch.setattr(llm_engine, "_kv_written_event", lambda on_cuda: Event())
     prompt = list(range(3, 3 + 4 * BUDGET))  # four chunks, one per step
     req = pb.PrefillRequest(request_id="r", prompt_token_ids=prompt,
                             destination=pb.KVDestination(agent_name="decode-0-1", block_ids=list(range(8))))

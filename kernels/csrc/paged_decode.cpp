@@ -15,13 +15,6 @@
 
 namespace {
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
