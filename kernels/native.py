@@ -28,6 +28,7 @@ from kernels.host import cpu
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -55,7 +56,8 @@ def build(cache_dir: Path, level: str | None = None) -> Path:
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (install g++, or set CXX): native CPU kernels are off")
     flags = [*_COMMON, *_FLAGS[level]]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = cache_dir / "native" / f"paged_decode-{level}-{key}.so"
     if target.is_file():
         return target

@@ -30,7 +30,10 @@ def libraries(tmp_path_factory):
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32)])
+# (9, 3, 64, 16) and (8, 2, 128, 32) take the vector path (decode_simd) where the level has one;
+# head_dim 32, 16 query heads per KV head, or (AVX-512) a block of 8 take the plain loops.
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (16, 1, 64, 16), (6, 2, 64, 8)])
 def test_native_decode_attention_matches_the_reference(libraries, level, dtype, heads, kv_heads, head_dim,
                                                         block_size):
     rng = random.Random(hash((level, str(dtype), heads, head_dim)) & 0xFFFF)
@@ -54,6 +57,23 @@ def test_native_decode_attention_matches_the_reference(libraries, level, dtype, 
     got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, context_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_peaked_scores_keep_the_online_softmax_exact(libraries, level):
+    """Scores that span ~100 nats, their max in a late chunk: every earlier chunk's weights
+    are rescaled to the new max (decode_simd's running max) and must still sum right."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, kv_heads, head_dim = 16, 3, 64
+    pool = torch.randn(40, 2, block_size, kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    tables = torch.arange(40, dtype=torch.int64)[None].repeat(2, 1)
+    q = 4 * torch.randn(2, 9, head_dim, generator=gen)
+    k_cache[tables[0, 30], 5] = 3 * q[0].view(kv_heads, 3, head_dim).mean(1)  # the peak: position 485
+    lens = torch.tensor([600, 487], dtype=torch.int64)
+    want = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.125)
+    got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_shapes_the_kernel_cannot_take_are_refused(libraries):

@@ -1,0 +1,101 @@
+// A float vector of the widest width this build targets, with the handful of operations
+// the kernels need: AVX-512 (16 lanes, -march=x86-64-v4) or AVX2 + FMA (8 lanes,
+// x86-64-v3). `HAVE_SIMD` is 0 for other targets; the kernels then keep their plain loops.
+//
+// Why intrinsics: without -ffast-math the compiler vectorises `sum += a[i] * b[i]`, then
+// adds the lanes one after another (a chain of ~16 dependent adds per dot product), and
+// keeps small per-row arrays in memory; both cost more than the arithmetic here.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#define HAVE_SIMD 1
+namespace simd {
+constexpr int LANES = 16;
+using vec = __m512;
+using mask = __mmask16;
+inline vec zero() { return _mm512_setzero_ps(); }
+inline vec set1(float x) { return _mm512_set1_ps(x); }
+inline vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline vec load(const uint16_t* p) {  // bf16 is the top half of an fp32
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline float reduce_add(vec x) { return _mm512_reduce_add_ps(x); }
+inline float reduce_max(vec x) { return _mm512_reduce_max_ps(x); }
+inline mask first(int n) { return static_cast<mask>(n >= LANES ? 0xffff : (1u << n) - 1u); }
+inline vec select(mask m, vec x, vec otherwise) { return _mm512_mask_blend_ps(m, otherwise, x); }
+inline vec round_nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec x, vec n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
+}  // namespace simd
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_SIMD 1
+namespace simd {
+constexpr int LANES = 8;
+using vec = __m256;
+using mask = __m256;
+inline vec zero() { return _mm256_setzero_ps(); }
+inline vec set1(float x) { return _mm256_set1_ps(x); }
+inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline vec load(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline float reduce_add(vec x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float reduce_max(vec x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline mask first(int n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
+}
+inline vec select(mask m, vec x, vec otherwise) { return _mm256_blendv_ps(otherwise, x, m); }
+inline vec round_nearest(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec times_pow2(vec x, vec n) {  // n integral in [-127, 127]
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(x, _mm256_castsi256_ps(e));
+}
+}  // namespace simd
+#else
+#define HAVE_SIMD 0
+#endif
+
+#if HAVE_SIMD
+namespace simd {
+// e^x for x <= 0 (scores minus their running max), to ~2 ulp: x = n ln2 + r, |r| <= ln2/2,
+// e^x = 2^n * p(r) with a degree-6 polynomial (Cephes' expf). Below -87 it gives ~0.
+inline vec exp_nonpositive(vec x) {
+  x = max(x, set1(-87.f));
+  const vec n = round_nearest(mul(x, set1(1.44269504088896341f)));
+  vec r = fma(n, set1(-0.693359375f), x);
+  r = fma(n, set1(2.12194440e-4f), r);
+  vec p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p, mul(r, r), r);
+  return times_pow2(add(p, set1(1.f)), n);
+}
+}  // namespace simd
+#endif
