@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -86,8 +85,7 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up), residual
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
 class CausalLM(nn.Module):

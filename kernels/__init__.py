@@ -1,20 +1,20 @@
 """Compute kernels behind one dispatch point.
 
-`get_ops(device)` returns the op set the model, attention and sampler call: on CPU the
-torch ops in `kernels.reference` (the production CPU path, and every kernel's oracle), on
-CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
-paged_attention, kv_copy, norm_rope, sampling). PDSERVE_KERNELS, read here and nowhere
-else (with PDSERVE_CACHE_DIR, where the native library is cached), overrides the choice:
-`torch` takes the references everywhere, `triton` the Triton kernels everywhere (on CPU
-they run in Triton's interpreter: slow, for tests), `native` on CPU `kernels.native_ops`:
-the references with decode attention read in place by a kernel built for this host's ISA
-(not the default yet: bench/RESULTS.md has where it wins and where oneDNN's bf16 SDPA is
-faster).
+`get_ops(device)` returns the op set the model, attention and sampler call: on CPU
+`kernels.native_ops` (the torch ops of `kernels.reference`, with decode attention and the
+row-wise ops by native kernels built for this host's ISA: faster at every shape measured,
+bench/RESULTS.md), or `kernels.reference` itself where no compiler can build them (logged);
+on CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
+paged_attention, kv_copy, norm_rope, sampling). `kernels.reference` is also every
+kernel's oracle. PDSERVE_KERNELS, read here and nowhere else (with PDSERVE_CACHE_DIR,
+where the native library is cached), overrides the choice: `torch` takes the references
+everywhere, `triton` the Triton kernels everywhere (on CPU they run in Triton's
+interpreter: slow, for tests), `native` requires the native op set (an error without it).
 
 An op set is a module with:
   NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
   DECODE_IN_PLACE (native) paged_decode_attention takes the step's decodes, context lengths
-  write_kv, rms_norm, add_rms_norm, rotary, pack_blocks, unpack_blocks
+  write_kv, rms_norm, add_rms_norm, rotary, silu_mul, pack_blocks, unpack_blocks
   BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
                   chunk over its gathered context), gather_context; engine/sampler.py
                   samples with its own torch stages
@@ -41,8 +41,8 @@ _CHOICES = ("auto", "torch", "triton", "native")
 
 
 def kernel_choice() -> str:
-    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, torch elsewhere), `torch`, `triton` or
-    `native` (CPU: the torch ops with the native decode attention)."""
+    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, native on CPU where it builds, else
+    torch), `torch`, `triton` or `native` (CPU: the native op set, or an error)."""
     value = os.environ.get("PDSERVE_KERNELS", "").strip().lower() or "auto"
     if value not in _CHOICES:
         raise ValueError(f"PDSERVE_KERNELS={value!r}: use one of {', '.join(_CHOICES)}")
@@ -53,18 +53,19 @@ def get_ops(device: torch.device | str) -> ModuleType:
     """The op set for tensors on `device` (see the module docstring)."""
     choice = kernel_choice()
     device = torch.device(device)
-    if choice == "native":
+    if choice == "native" or (choice == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"PDSERVE_KERNELS=native is for CPU tensors, not {device.type}")
-        native = _native_ops()
-        if native is None:
+        native = _native_ops(choice)
+        if native is not None:
+            return native
+        if choice == "native":
             raise RuntimeError("PDSERVE_KERNELS=native, but the native kernels cannot be built here (see the log)")
-        return native
-    if choice == "torch" or (choice == "auto" and device.type != "cuda"):
+    if choice in ("torch", "auto") and device.type != "cuda":
         from kernels import reference
 
         log_choice(f"kernels on {device.type}", "torch ops (kernels.reference)",
-                   "PDSERVE_KERNELS=torch" if choice == "torch" else "Triton kernels are for CUDA devices")
+                   "PDSERVE_KERNELS=torch" if choice == "torch" else "the native kernels cannot be built here")
         return reference
     ops = _triton_ops(device)
     log_choice(f"kernels on {device.type}", "Triton" + (" (interpreter)" if device.type == "cpu" else ""),
@@ -73,7 +74,7 @@ def get_ops(device: torch.device | str) -> ModuleType:
 
 
 @functools.cache
-def _native_ops() -> ModuleType | None:
+def _native_ops(choice: str) -> ModuleType | None:
     """kernels.native_ops, its library built for this host (once per process), or None
     with the reason logged."""
     from kernels import native, native_ops
@@ -84,7 +85,8 @@ def _native_ops() -> ModuleType | None:
     except (native.NativeUnavailable, OSError) as e:
         log.warning("the native kernels are unavailable: %s", e)
         return None
-    log_choice("kernels on cpu", f"native decode attention ({native.isa_level()}) + torch ops", "PDSERVE_KERNELS=native")
+    log_choice("kernels on cpu", f"native kernels ({native.isa_level()}) + torch ops",
+               "PDSERVE_KERNELS=native" if choice == "native" else "a C++ compiler built them for this CPU")
     return native_ops
 
 

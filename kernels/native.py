@@ -1,5 +1,7 @@
 """Native CPU kernels (kernels/csrc/), built with the host's C++ compiler and loaded through
-ctypes: paged decode attention that reads K/V in place through the block tables.
+ctypes: paged decode attention that reads K/V in place through the block tables
+(paged_decode.cpp), and the row-wise ops between the matmuls (norm_act.cpp: RMS norm with
+the residual add, rotary embedding, SiLU-and-multiply), one pass each.
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -27,14 +29,21 @@ from kernels.host import cpu
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-HEADERS = [Path(__file__).parent / "csrc" / "simd.h"]  # part of the build key
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp"]
+HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-ARGTYPES = [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64,
-            _INT, _INT, _INT, _INT, _INT, ctypes.c_float, _INT]
+_F32 = ctypes.c_float
+SIGNATURES = {  # the library's functions: argument types (all return int: 0, or -1 = not served)
+    "pdserve_paged_decode": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
+                             _PTR, _I64, _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT],
+    "pdserve_rms_norm": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT],
+    "pdserve_rotary": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _INT],
+    "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
+}
 
 
 class NativeUnavailable(RuntimeError):
@@ -56,18 +65,19 @@ def build(cache_dir: Path, level: str | None = None) -> Path:
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (install g++, or set CXX): native CPU kernels are off")
     flags = [*_COMMON, *_FLAGS[level]]
-    sources = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+    sources = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
     key = hashlib.sha256(sources + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = cache_dir / "native" / f"paged_decode-{level}-{key}.so"
+    target = cache_dir / "native" / f"pdserve-{level}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building native CPU kernels for %s (%s)", level, " ".join(_FLAGS[level]))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise NativeUnavailable(f"{compiler} failed on {SOURCE.name}:\n{done.stderr[-2000:]}")
+            names = ", ".join(f.name for f in SOURCES)
+            raise NativeUnavailable(f"{compiler} failed on {names}:\n{done.stderr[-2000:]}")
         out.replace(target)  # atomic: concurrent builders (workers starting together) agree
     return target
 
@@ -81,9 +91,10 @@ def load(cache_dir: Path) -> ctypes.CDLL:
 def open_library(path: Path) -> ctypes.CDLL:
     """A built library, its function typed."""
     lib = ctypes.CDLL(str(path))
-    fn = lib.pdserve_paged_decode
-    fn.argtypes = ARGTYPES
-    fn.restype = ctypes.c_int
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -118,3 +129,63 @@ def paged_decode_attention(
         raise ValueError(f"native decode attention refused the shapes: {num_heads} heads over {k_cache.shape[2]} "
                          f"KV heads, head_dim {head_dim}")
     return out
+
+
+def _rows(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A 2-D (or more) tensor of `dtype` whose last dimension is contiguous: what the row kernels take."""
+    return t.dtype == dtype and t.dim() >= 2 and t.stride(-1) == 1 and t.device.type == "cpu"
+
+
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,  # [rows, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [rows, hidden]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(norm(x + residual), x + residual), or (norm(x), None) without a residual: the
+    reference's rms_norm / add_rms_norm. None where the kernel does not serve these
+    tensors (the caller then runs the torch op)."""
+    if x.dtype not in DTYPES or x.dim() != 2 or not _rows(x, x.dtype) or not weight.is_contiguous() \
+            or weight.dtype != x.dtype or (residual is not None and not (_rows(residual, x.dtype)
+                                                                          and residual.shape == x.shape)):
+        return None
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    res_out = torch.empty(rows, hidden, dtype=x.dtype) if residual is not None else None
+    rc = lib.pdserve_rms_norm(
+        DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+        residual.data_ptr() if residual is not None else None, residual.stride(0) if residual is not None else 0,
+        res_out.data_ptr() if res_out is not None else None, hidden,
+        weight.data_ptr(), out.data_ptr(), hidden, rows, hidden, eps, torch.get_num_threads())
+    return None if rc != 0 else (out, res_out)
+
+
+def rotary(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,  # [tokens, heads, head_dim], head_dim contiguous (a view of the qkv matmul's output)
+    cos: torch.Tensor,  # [tokens, 1, head_dim]
+    sin: torch.Tensor,
+) -> torch.Tensor | None:  # [tokens, heads, head_dim], contiguous
+    """The reference's rotary, or None where the kernel does not serve these tensors."""
+    if x.dtype not in DTYPES or x.dim() != 3 or x.stride(2) != 1 or cos.dtype != x.dtype or sin.dtype != x.dtype \
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape != sin.shape \
+            or cos.shape != (x.shape[0], 1, x.shape[2]):
+        return None
+    tokens, heads, head_dim = x.shape
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
+    rc = lib.pdserve_rotary(DTYPES[x.dtype], x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                            head_dim, out.data_ptr(), heads * head_dim, head_dim, tokens, heads, head_dim,
+                            torch.get_num_threads())
+    return None if rc != 0 else out
+
+
+def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows, 2 * width] -> [rows, width]
+    """silu(gate) * up of the two halves of x's rows, or None where the kernel does not serve x."""
+    if x.dtype not in DTYPES or x.dim() != 2 or not _rows(x, x.dtype) or x.shape[1] % 2:
+        return None
+    rows, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, width, dtype=x.dtype)
+    rc = lib.pdserve_silu_mul(DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), width, rows, width,
+                              torch.get_num_threads())
+    return None if rc != 0 else out

@@ -1,6 +1,9 @@
 """The CPU op set with native kernels where they win: the torch ops of kernels.reference,
 but decode attention reads K/V in place through the block tables (kernels/native.py,
-kernels/csrc/paged_decode.cpp) instead of gathering every block into a copy first.
+kernels/csrc/paged_decode.cpp) instead of gathering every block into a copy first, and
+RMS norm (with its residual add), rotary and SiLU-and-multiply are one pass each
+(kernels/csrc/norm_act.cpp) instead of a chain of torch ops. Any tensor a kernel does not
+take (float64 in tests, odd widths) runs the reference op.
 
 `kernels.get_ops` returns this module on CPU with PDSERVE_KERNELS=native (an error if the
 library cannot be built here). DECODE_IN_PLACE tells engine/attention.py to call
@@ -15,14 +18,11 @@ import torch
 
 from kernels import native, reference
 from kernels.reference import (  # noqa: F401  (the rest of the op set, unchanged)
-    add_rms_norm,
     decode_attention,
     gather_context,
     pack_blocks,
     paged_prefill_attention,
     prefill_attention,
-    rms_norm,
-    rotary,
     sample,
     sampling_mask,
     unpack_blocks,
@@ -31,7 +31,7 @@ from kernels.reference import (  # noqa: F401  (the rest of the op set, unchange
 
 __all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "init", "paged_decode_attention", "add_rms_norm",
            "decode_attention", "gather_context", "pack_blocks", "paged_prefill_attention", "prefill_attention",
-           "rms_norm", "rotary", "sample", "sampling_mask", "unpack_blocks", "write_kv"]
+           "rms_norm", "rotary", "sample", "sampling_mask", "silu_mul", "unpack_blocks", "write_kv"]
 
 NAME = "native"
 BATCHED = False
@@ -57,3 +57,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return result
     out.copy_(result)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    done = native.rms_norm(_lib, x, weight, eps)
+    return reference.rms_norm(x, weight, eps) if done is None else done[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    done = native.rms_norm(_lib, x, weight, eps, residual=residual)
+    return reference.add_rms_norm(x, residual, weight, eps) if done is None else done
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    done = native.rotary(_lib, x, cos, sin)
+    return reference.rotary(x, cos, sin) if done is None else done
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    done = native.silu_mul(_lib, x)
+    return reference.silu_mul(x) if done is None else done

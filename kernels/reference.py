@@ -152,6 +152,12 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def silu_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * ffn] -> [num_tokens, ffn]
+    """The gated MLP's activation: silu(gate) * up, gate and up the two halves of each row."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotary(
     x: torch.Tensor,  # [num_tokens, heads, head_dim]
     cos: torch.Tensor,  # [num_tokens, 1, head_dim]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kernels.kv_copy import pack_blocks, unpack_blocks, write_kv
 from kernels.norm_rope import add_rms_norm, rms_norm, rotary
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
+from kernels.reference import silu_mul  # one fused torch op pair; not worth a kernel of its own here
 from kernels.sampling import sample, sampling_mask
 from kernels.triton_util import INTERPRET
 
@@ -16,5 +17,6 @@ BATCHED = True  # attention and sampling take the whole step in one call each
 
 __all__ = [
     "BATCHED", "INTERPRET", "NAME", "add_rms_norm", "pack_blocks", "paged_decode_attention",
-    "paged_prefill_attention", "rms_norm", "rotary", "sample", "sampling_mask", "unpack_blocks", "write_kv",
+    "paged_prefill_attention", "rms_norm", "rotary", "sample", "sampling_mask", "silu_mul", "unpack_blocks",
+    "write_kv",
 ]

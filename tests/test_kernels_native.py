@@ -100,6 +100,22 @@ def test_pdserve_kernels_native_selects_the_native_op_set(monkeypatch):
                                reference.paged_decode_attention(q, k, k, tables, lens, 0.25))
 
 
+def test_auto_takes_the_native_op_set_on_cpu_and_the_torch_ops_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
+    kernels._native_ops.cache_clear()
+    assert kernels.get_ops("cpu") is native_ops
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    kernels._native_ops.cache_clear()
+    try:
+        assert kernels.get_ops("cpu") is reference
+        monkeypatch.setenv("PDSERVE_KERNELS", "native")
+        with pytest.raises(RuntimeError, match="cannot be built here"):
+            kernels.get_ops("cpu")
+    finally:
+        kernels._native_ops.cache_clear()
+
+
 def test_the_engine_gives_the_same_greedy_tokens_through_the_native_op_set(tmp_path, monkeypatch):
     """float32, a tiny random model, a batch of prompts of mixed lengths decoded together:
     the same tokens through the native decode attention as through the torch ops."""

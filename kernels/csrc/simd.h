@@ -29,12 +29,24 @@ inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec min(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline float reduce_add(vec x) { return _mm512_reduce_add_ps(x); }
 inline float reduce_max(vec x) { return _mm512_reduce_max_ps(x); }
 inline mask first(int n) { return static_cast<mask>(n >= LANES ? 0xffff : (1u << n) - 1u); }
 inline vec select(mask m, vec x, vec otherwise) { return _mm512_mask_blend_ps(m, otherwise, x); }
 inline vec round_nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec times_pow2(vec x, vec n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
+inline vec div(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec round_bf16(vec x) {  // to the nearest bf16 (ties to even), kept as fp32; no NaN inputs
+  __m512i u = _mm512_castps_si512(x);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store(uint16_t* p, vec x) {  // x already a bf16 value (round_bf16): keep its top half
+  __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+}
 }  // namespace simd
 #elif defined(__AVX2__) && defined(__FMA__)
 #define HAVE_SIMD 1
@@ -54,6 +66,7 @@ inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec min(vec a, vec b) { return _mm256_min_ps(a, b); }
 inline float reduce_add(vec x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -74,6 +87,18 @@ inline vec times_pow2(vec x, vec n) {  // n integral in [-127, 127]
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(x, _mm256_castsi256_ps(e));
 }
+inline vec div(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec round_bf16(vec x) {  // to the nearest bf16 (ties to even), kept as fp32; no NaN inputs
+  __m256i u = _mm256_castps_si256(x);
+  __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  u = _mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+inline void store(uint16_t* p, vec x) {  // x already a bf16 value (round_bf16): keep its top half
+  __m256i h = _mm256_srli_epi32(_mm256_castps_si256(x), 16);
+  __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // lanes 0-7 in the low half
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 }  // namespace simd
 #else
 #define HAVE_SIMD 0
@@ -81,10 +106,11 @@ inline vec times_pow2(vec x, vec n) {  // n integral in [-127, 127]
 
 #if HAVE_SIMD
 namespace simd {
-// e^x for x <= 0 (scores minus their running max), to ~2 ulp: x = n ln2 + r, |r| <= ln2/2,
-// e^x = 2^n * p(r) with a degree-6 polynomial (Cephes' expf). Below -87 it gives ~0.
-inline vec exp_nonpositive(vec x) {
+// e^x for x clamped to [-87, hi], to ~2 ulp: x = n ln2 + r, |r| <= ln2/2, e^x = 2^n * p(r)
+// with a degree-6 polynomial (Cephes' expf).
+inline vec exp_clamped(vec x, float hi) {
   x = max(x, set1(-87.f));
+  x = min(x, set1(hi));
   const vec n = round_nearest(mul(x, set1(1.44269504088896341f)));
   vec r = fma(n, set1(-0.693359375f), x);
   r = fma(n, set1(2.12194440e-4f), r);
@@ -97,5 +123,13 @@ inline vec exp_nonpositive(vec x) {
   p = fma(p, mul(r, r), r);
   return times_pow2(add(p, set1(1.f)), n);
 }
+
+inline vec exp_nonpositive(vec x) { return exp_clamped(x, 0.f); }
+inline vec exp(vec x) { return exp_clamped(x, 88.f); }  // e^x, saturating at e^88
+
+// x rounded as a store into T rounds it (bf16: to nearest, ties to even; float: unchanged):
+// the rounding each separate torch op does between the steps of a fused kernel.
+inline vec as_stored(vec x, float*) { return x; }
+inline vec as_stored(vec x, uint16_t*) { return round_bf16(x); }
 }  // namespace simd
 #endif
