@@ -22,10 +22,10 @@ from engine.rotary import RotaryEmbedding
 class Linear(nn.Linear):
     """nn.Linear whose weight can be packed once for the CPU matmul library (kernels.linear)."""
 
-    packed: torch.Tensor | None = None
+    packed: kernels.linear.PackedWeight | None = None
 
-    def pack(self) -> None:
-        self.packed = kernels.linear.pack_weight(self.weight)
+    def pack(self, library=None) -> None:
+        self.packed = kernels.linear.pack_weight(self.weight, library)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear.linear(x, self.weight, self.bias, self.packed)
@@ -102,7 +102,7 @@ class CausalLM(nn.Module):
         self.to(dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, dtype, device)
         self.ops = kernels.get_ops(device)
-        self._head_packed: torch.Tensor | None = None
+        self._head_packed: kernels.linear.PackedWeight | None = None
         # Called after every decoder layer when set: a worker's chance to make progress on
         # other work (e.g. NIXL transfers whose peers wait on this process) during a step.
         self.between_layers: Callable[[], None] | None = None
@@ -127,11 +127,12 @@ class CausalLM(nn.Module):
 
     def prepare(self) -> None:
         """After the weights are loaded: pack matmul weights for the CPU kernels."""
+        library = self.ops.library() if hasattr(self.ops, "library") else None  # the native op set's
         for module in self.layers.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(library)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self._head_packed = kernels.linear.pack_weight(head)
+        self._head_packed = kernels.linear.pack_weight(head, library)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

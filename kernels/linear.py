@@ -1,18 +1,39 @@
-"""Linear layers with weights pre-packed for oneDNN on CPU (bf16).
+"""Linear layers with weights pre-packed on CPU (bf16).
 
 oneDNN's blocked weight layout makes the small-M matmuls of decoding 1.5-2.5x faster
 than plain `F.linear` on an AVX-512/AMX CPU (measured in bench/RESULTS.md). Packing is
 done once after the weights are loaded, where the host can: oneDNN's bf16 needs
 AVX-512 (avx512bw/vl/dq), so an AVX2-only CPU keeps `F.linear`, as do fp32, CUDA and a
-torch without oneDNN. The choice and its reason are logged once per process.
+torch without oneDNN. Where the CPU has AVX512-BF16 and the native library is loaded,
+the weight is also packed for its small-batch kernel (kernels/csrc/gemv_bf16.cpp), which
+streams the weights closer to memory bandwidth than oneDNN does at a handful of rows:
+`linear` takes it up to GEMV_MAX_ROWS rows, oneDNN above. The choices and their reasons
+are logged once per process.
 """
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kernels import native
 from kernels.host import cpu, log_choice
+
+# Rows of x up to which the native small-batch kernel beats oneDNN (AMX host, SmolLM2's
+# shapes, bench/RESULTS.md: 1.24x at 1 row, ~1.05x at 2-8, 0.75x at 16).
+GEMV_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A bf16 weight in the layouts this host's matmuls read; None where one does not apply."""
+
+    onednn: torch.Tensor | None  # oneDNN's blocked layout
+    gemv: torch.Tensor | None  # native.pack_gemv_weight's layout
+    library: ctypes.CDLL | None  # the native library that runs `gemv`
 
 _PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this M; measured flat for M in 1..512
 
@@ -27,22 +48,38 @@ def packing_supported() -> tuple[bool, str]:
     return True, f"oneDNN runs bf16 on this CPU ({caps.isa})"
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a [out, in] weight, or None where packing does not apply."""
+def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> PackedWeight | None:
+    """The packed copies of a [out, in] weight, or None where packing does not apply.
+    `library`: the native library (kernels.native_ops.library()), for the small-batch kernel."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return None
     ok, why = packing_supported()
+    onednn = None
     if ok:
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         except (AttributeError, RuntimeError) as e:
-            ok, why, packed = False, f"oneDNN refused to pack ({str(e).splitlines()[0][:120]})", None
+            ok, why = False, f"oneDNN refused to pack ({str(e).splitlines()[0][:120]})"
     log_choice("bf16 linear", "oneDNN packed weights" if ok else "F.linear", why)
-    return packed if ok else None
+    gemv = None
+    if library is not None and cpu().avx512_bf16:
+        gemv = native.pack_gemv_weight(weight)
+    log_choice("bf16 linear at <= %d rows" % GEMV_MAX_ROWS,
+               "native small-batch kernel" if gemv is not None else "as above",
+               "this CPU has AVX512-BF16 and the native library is loaded" if gemv is not None else
+               "it needs AVX512-BF16, the native op set and a weight of 16k x 2j")
+    if onednn is None and gemv is None:
+        return None
+    return PackedWeight(onednn, gemv, library if gemv is not None else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+           packed: PackedWeight | None) -> torch.Tensor:
     if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if packed.gemv is not None and x.shape[0] <= GEMV_MAX_ROWS:
+            out = native.gemv_bf16(packed.library, x, packed.gemv, bias)
+            if out is not None:
+                return out
+        if packed.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)

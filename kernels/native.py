@@ -1,7 +1,8 @@
 """Native CPU kernels (kernels/csrc/), built with the host's C++ compiler and loaded through
 ctypes: paged decode attention that reads K/V in place through the block tables
-(paged_decode.cpp), and the row-wise ops between the matmuls (norm_act.cpp: RMS norm with
-the residual add, rotary embedding, SiLU-and-multiply), one pass each.
+(paged_decode.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
+residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
+bf16 matmul of decode steps (gemv_bf16.cpp, AVX512-BF16).
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -30,7 +31,7 @@ from kernels.host import cpu
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp"]
+SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp", _CSRC / "gemv_bf16.cpp"]
 HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
@@ -43,7 +44,9 @@ SIGNATURES = {  # the library's functions: argument types (all return int: 0, or
     "pdserve_rms_norm": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT],
     "pdserve_rotary": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _INT],
     "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
+    "pdserve_gemv_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
 }
+GEMV_ROWS = 16  # output rows per packed block (kernels/csrc/gemv_bf16.cpp)
 
 
 class NativeUnavailable(RuntimeError):
@@ -188,4 +191,35 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows
     out = torch.empty(rows, width, dtype=x.dtype)
     rc = lib.pdserve_silu_mul(DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), width, rows, width,
                               torch.get_num_threads())
+    return None if rc != 0 else out
+
+
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A [n, k] bf16 weight in gemv_bf16's layout, [n/16, k/2, 16, 2]: each 64-byte row holds
+    the (k, k+1) pair of 16 output rows. None where the kernel cannot take it."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % GEMV_ROWS or k % 2:
+        return None
+    return weight.view(n // GEMV_ROWS, GEMV_ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def gemv_bf16(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,  # [m, k] bf16, rows contiguous
+    packed: torch.Tensor,  # pack_gemv_weight of a [n, k] weight
+    bias: torch.Tensor | None,  # [n] bf16
+) -> torch.Tensor | None:  # [m, n] bf16
+    """x @ weight.T + bias, or None where the kernel does not serve (no AVX512-BF16 here, a
+    shape it cannot take: the caller runs its other matmul)."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or (bias is not None and (
+            bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+        return None
+    m, k = x.shape
+    n = packed.shape[0] * GEMV_ROWS
+    if packed.shape[1] * 2 != k:
+        raise ValueError(f"gemv_bf16: x has {k} columns, the weight {packed.shape[1] * 2}")
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = lib.pdserve_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                               bias.data_ptr() if bias is not None else None, out.data_ptr(), n, m, n, k,
+                               torch.get_num_threads())
     return None if rc != 0 else out

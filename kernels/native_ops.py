@@ -29,7 +29,7 @@ from kernels.reference import (  # noqa: F401  (the rest of the op set, unchange
     write_kv,
 )
 
-__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "init", "paged_decode_attention", "add_rms_norm",
+__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "init", "library", "paged_decode_attention", "add_rms_norm",
            "decode_attention", "gather_context", "pack_blocks", "paged_prefill_attention", "prefill_attention",
            "rms_norm", "rotary", "sample", "sampling_mask", "silu_mul", "unpack_blocks", "write_kv"]
 
@@ -38,6 +38,11 @@ BATCHED = False
 DECODE_IN_PLACE = True
 
 _lib = None
+
+
+def library():
+    """The loaded native library (for kernels.linear's small-batch matmul)."""
+    return _lib
 
 
 def init(cache_dir: Path) -> None:
