@@ -2,7 +2,8 @@
 ctypes: paged decode attention that reads K/V in place through the block tables
 (paged_decode.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
 residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
-bf16 matmul of decode steps (gemv_bf16.cpp, AVX512-BF16).
+bf16 matmul of decode steps (amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
+dot instructions), both over one packed weight layout.
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -31,7 +32,7 @@ from kernels.host import cpu
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp", _CSRC / "gemv_bf16.cpp"]
+SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp", _CSRC / "gemv_bf16.cpp", _CSRC / "amx_bf16.cpp"]
 HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
@@ -45,6 +46,7 @@ SIGNATURES = {  # the library's functions: argument types (all return int: 0, or
     "pdserve_rotary": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _INT],
     "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
     "pdserve_gemv_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
+    "pdserve_amx_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
 }
 GEMV_ROWS = 16  # output rows per packed block (kernels/csrc/gemv_bf16.cpp)
 
@@ -208,9 +210,11 @@ def gemv_bf16(
     x: torch.Tensor,  # [m, k] bf16, rows contiguous
     packed: torch.Tensor,  # pack_gemv_weight of a [n, k] weight
     bias: torch.Tensor | None,  # [n] bf16
+    amx: bool = False,
 ) -> torch.Tensor | None:  # [m, n] bf16
-    """x @ weight.T + bias, or None where the kernel does not serve (no AVX512-BF16 here, a
-    shape it cannot take: the caller runs its other matmul)."""
+    """x @ weight.T + bias, by the AMX kernel (`amx`) or the AVX512-BF16 one; None where it
+    does not serve (the CPU lacks its ISA, a shape it cannot take: the caller runs its
+    other matmul)."""
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or (bias is not None and (
             bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
         return None
@@ -219,7 +223,7 @@ def gemv_bf16(
     if packed.shape[1] * 2 != k:
         raise ValueError(f"gemv_bf16: x has {k} columns, the weight {packed.shape[1] * 2}")
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = lib.pdserve_gemv_bf16(x.data_ptr(), x.stride(0), packed.data_ptr(),
-                               bias.data_ptr() if bias is not None else None, out.data_ptr(), n, m, n, k,
-                               torch.get_num_threads())
+    fn = lib.pdserve_amx_bf16 if amx else lib.pdserve_gemv_bf16
+    rc = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+            out.data_ptr(), n, m, n, k, torch.get_num_threads())
     return None if rc != 0 else out
