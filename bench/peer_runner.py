@@ -6,7 +6,9 @@
 Both systems get the same job (prompt token ids, output lengths, greedy with ignore_eos)
 and are timed by the same code: one `generate` call over the whole workload, then the
 decode step at batch B by difference, T(B prompts, `long` new tokens) - T(B other prompts,
-`short` new tokens), over `long - short` steps, so prefill and call overhead cancel.
+`short` new tokens), over `long - short` steps, so prefill and call overhead cancel: while
+`short` is at least the steps the batch's prefill spans, the long run is the short one
+with `long - short` steps of all B sequences decoding added.
 Only the standard library is imported at the top: vLLM's venv has no pdserve, and
 pdserve's has no vLLM.
 """

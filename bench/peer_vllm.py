@@ -199,7 +199,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64, help="concurrent sequence cap, both systems")
     p.add_argument("--decode-ctx", type=int, default=256, help="prompt tokens for the decode step runs")
     p.add_argument("--decode-batches", default="1,32", help="comma-separated batch sizes")
-    p.add_argument("--short", type=int, default=16, help="new tokens of the short decode run")
+    p.add_argument("--short", type=int, default=32,
+                   help="new tokens of the short decode run; at least the steps the batch's prefill spans (a "
+                        "request done before the last prefill would make the difference count mixed steps)")
     p.add_argument("--steps", type=int, default=48, help="extra decode steps of the long run")
     p.add_argument("--venv", type=Path, default=None, help="vLLM's venv (made on first use)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
