@@ -199,6 +199,24 @@ except Exception as e:
 """
 
 
+def test_the_embedded_ray_takes_no_call_without_its_token(smollm2_dir, tmp_path):
+    """`pdserve serve` outside a test's sandbox runs Ray with token auth: a client without the
+    token cannot attach to its cluster (so cannot run code on it), while `pdserve status` on
+    the same machine finds the token and works. This module's other tests disable auth in
+    their own loopback sandbox, as the deployment docs allow only there."""
+    port = _free_port()
+    token_env = {"RAY_AUTH_MODE": "token"}  # what serve sets when nothing is set
+    with serving(tmp_path / "serve.log", "--dtype", "float32", "--port", str(port), "--prefill", "0",
+                 "--num-cpus", "2", env=token_env) as (_, address):
+        probe = subprocess.run([sys.executable, "-c", _UNAUTHENTICATED_CLIENT, address], env=ENV,  # auth disabled
+                               capture_output=True, text=True, timeout=120)
+        assert "REFUSED" in probe.stdout and "CONNECTED" not in probe.stdout, probe.stdout + probe.stderr[-2000:]
+        status = subprocess.run([str(BIN / "pdserve"), "status", "--address", address, "--json"], cwd=REPO,
+                                env={**ENV, **token_env}, capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0 and json.loads(status.stdout)["pools"]["decode"], status.stderr
+        assert "WARNING: RAY_AUTH_MODE" not in (tmp_path / "serve.log").read_text()
+
+
 # A network namespace of its own in which this machine also has a routable address
 # (10.77.0.1, the default route's source), as a host on a real network has: whatever binds
 # the node's address or every interface shows there, and nothing leaves the machine.
@@ -207,20 +225,14 @@ _ROUTABLE_NS = ("unshare", "-n", "--", "sh", "-c", "ip link set lo up && ip addr
 _LOOPBACK = re.compile(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+$")
 
 
-def test_the_embedded_deployment_listens_on_loopback_only_and_takes_no_call_without_its_token(
-        smollm2_dir, tmp_path):
+def test_the_embedded_deployment_listens_on_loopback_only(smollm2_dir, tmp_path):
     """On a machine with a routable address, an embedded `pdserve serve` (gateway on its
     default 127.0.0.1) binds every listener of every process it starts, Ray's GCS, raylet,
     dashboard agent and workers included, to loopback: nobody on the network reaches Ray's
-    APIs, a worker's gRPC or its KV transport. And outside a test's sandbox it runs Ray with
-    token auth: a client on the same machine without the token cannot attach to the cluster
-    (so cannot run code on it), while `pdserve status` finds the token and works. (One
-    deployment for both: this module's other tests disable auth in their own loopback
-    sandbox, as the deployment docs allow only there.)"""
+    APIs, a worker's gRPC or its KV transport."""
     port = _free_port()
-    token_env = {"RAY_AUTH_MODE": "token"}  # what serve sets when nothing is set
     with serving(tmp_path / "serve.log", "--dtype", "float32", "--port", str(port), "--num-cpus", "2",
-                 env=token_env, prefix=_ROUTABLE_NS) as (proc, address):
+                 prefix=_ROUTABLE_NS) as (proc, address):
         assert address.startswith("127.0.0.1:"), address
         inside = ["nsenter", "-t", str(proc.pid), "-n", "--"]
         listeners = subprocess.run([*inside, "ss", "-ltnpH"], capture_output=True, text=True, timeout=30).stdout
@@ -233,13 +245,6 @@ def test_the_embedded_deployment_listens_on_loopback_only_and_takes_no_call_with
         answer = subprocess.run([*inside, sys.executable, "-c", ask, f"http://127.0.0.1:{port}/v1/chat/completions"],
                                 capture_output=True, text=True, timeout=180)
         assert answer.stdout.strip() == "200", answer.stdout + answer.stderr[-2000:]
-        probe = subprocess.run([*inside, sys.executable, "-c", _UNAUTHENTICATED_CLIENT, address], env=ENV,
-                               capture_output=True, text=True, timeout=120)  # ENV: auth disabled
-        assert "REFUSED" in probe.stdout and "CONNECTED" not in probe.stdout, probe.stdout + probe.stderr[-2000:]
-        status = subprocess.run([*inside, str(BIN / "pdserve"), "status", "--address", address, "--json"], cwd=REPO,
-                                env={**ENV, **token_env}, capture_output=True, text=True, timeout=120)
-        assert status.returncode == 0 and json.loads(status.stdout)["pools"]["decode"], status.stderr
-        assert "WARNING: RAY_AUTH_MODE" not in (tmp_path / "serve.log").read_text()
 
 
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
