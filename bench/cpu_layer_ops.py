@@ -1,14 +1,14 @@
 """A decoder layer's ops besides attention on CPU, native kernels against torch's, side by
-side in one run: the bf16 linears, and the row-wise ops between them.
+side in one run: the linears (bf16 and float32), and the row-wise ops between them.
 
     python -m bench.cpu_layer_ops [--threads 2] [--json out.json]
 
 Linears: a whole model's worth of distinct weights (SmolLM2-135M: 30 layers of
 qkv 576->960, o 576->576, gate|up 576->3072, down 1536->576, and the 576->49152 LM head),
 so each pass streams every weight from memory as a decode step does; x of 1 to 256 rows.
-Each matmul kernel the host runs: oneDNN's packed weights (kernels/linear.py), F.linear,
-the native AVX512-BF16 dot kernel and the native AMX one (kernels/csrc/gemv_bf16.cpp,
-amx_bf16.cpp). GB/s is weight bytes per second, against this machine's read bandwidth
+Each matmul kernel the host runs: bf16 oneDNN's packed weights (kernels/linear.py),
+F.linear, the native AVX512-BF16 dot kernel and the native AMX one (kernels/csrc/
+gemv_bf16.cpp, amx_bf16.cpp); float32 F.linear and the native FMA-tile one (gemm_f32.cpp). GB/s is weight bytes per second, against this machine's read bandwidth
 (a sum over a 256 MiB tensor) measured in the same run. Row-wise ops: RMS norm with its
 residual add, rotary over the q|k heads of a qkv row, SiLU-and-multiply, at 1, 32 and 512
 rows, in float32 and bfloat16, torch reference vs native (kernels/csrc/norm_act.cpp).
@@ -51,26 +51,30 @@ def read_bandwidth() -> float:
     return src.numel() * 4 / _median_s(lambda: src.sum(), 5)
 
 
-def linears(lib) -> list[dict]:
+def linears(lib, dtype: torch.dtype) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     shapes = LAYER_SHAPES * LAYERS + [HEAD]
-    weights = [(0.02 * torch.randn(n, k, generator=gen)).bfloat16() for k, n in shapes]
+    weights = [(0.02 * torch.randn(n, k, generator=gen)).to(dtype) for k, n in shapes]
     kernels = {"F.linear": lambda x, w, packed: F.linear(x, w)}
     packs = {}
     caps = cpu()
-    if caps.onednn_bf16:
+    if dtype == torch.float32:
+        if native.isa_level() != "generic":
+            packs["native"] = [native.pack_matmul_weight(w, "f32") for w in weights]
+            kernels["native f32"] = lambda x, w, packed: native.matmul(lib, x, packed, None, "f32")
+    elif caps.onednn_bf16:
         packs["oneDNN"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
         kernels["oneDNN"] = lambda x, w, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if caps.avx512_bf16 or caps.amx_bf16:
-        packs["native"] = [native.pack_gemv_weight(w) for w in weights]
-    if caps.avx512_bf16:
-        kernels["native dots"] = lambda x, w, packed: native.gemv_bf16(lib, x, packed, None)
-    if caps.amx_bf16:
-        kernels["native AMX"] = lambda x, w, packed: native.gemv_bf16(lib, x, packed, None, amx=True)
-    weight_bytes = sum(w.numel() * 2 for w in weights)
+    if dtype == torch.bfloat16 and (caps.avx512_bf16 or caps.amx_bf16):
+        packs["native"] = [native.pack_matmul_weight(w, "dots") for w in weights]  # one layout for both
+    if dtype == torch.bfloat16 and caps.avx512_bf16:
+        kernels["native dots"] = lambda x, w, packed: native.matmul(lib, x, packed, None, "dots")
+    if dtype == torch.bfloat16 and caps.amx_bf16:
+        kernels["native AMX"] = lambda x, w, packed: native.matmul(lib, x, packed, None, "amx")
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     rows = []
     for m in ROWS:
-        xs = {k: torch.randn(m, k, generator=gen).bfloat16() for k in {k for k, _ in shapes}}
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {k for k, _ in shapes}}
         row = dict(rows=m)
         for name, fn in kernels.items():
             pack = packs.get("native" if name.startswith("native") else name, [None] * len(weights))
@@ -83,7 +87,7 @@ def linears(lib) -> list[dict]:
             row[name] = dict(ms=seconds * 1e3, gbs=weight_bytes / seconds / 1e9)
         rows.append(row)
         best = min((v["ms"], k) for k, v in row.items() if k != "rows")
-        print(f"[bench] {m} rows: " + ", ".join(f"{k} {v['ms']:.1f} ms" for k, v in row.items() if k != "rows")
+        print(f"[bench] {str(dtype)[6:]}, {m} rows: " + ", ".join(f"{k} {v['ms']:.1f} ms" for k, v in row.items() if k != "rows")
               + f" (best: {best[1]})", flush=True)
     return rows
 
@@ -124,16 +128,20 @@ def main() -> None:
     bw = read_bandwidth()
     print(f"host: {host.describe()}; native build: {native.isa_level()}; read bandwidth {bw / 1e9:.1f} GB/s, "
           f"{args.threads} threads")
-    lin = linears(lib)
-    names = [k for k in lin[0] if k != "rows"]
-    print(f"\nbf16 linears, one pass over SmolLM2's {LAYERS} layers + LM head (ms; weight GB/s, vs read bandwidth)")
-    print("| rows | " + " | ".join(names) + " | best native vs oneDNN |")
-    print("|---|" + "---|" * (len(names) + 1))
-    for r in lin:
-        cells = [f"{r[k]['ms']:.1f} ({r[k]['gbs']:.1f}, {r[k]['gbs'] * 1e9 / bw:.2f}x)" for k in names]
-        nat = [r[k]["ms"] for k in names if k.startswith("native")]
-        ratio = f"{r['oneDNN']['ms'] / min(nat):.2f}x" if nat and "oneDNN" in r else "-"
-        print(f"| {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
+    tables = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        lin = tables[str(dtype).removeprefix("torch.")] = linears(lib, dtype)
+        names = [k for k in lin[0] if k != "rows"]
+        base = "oneDNN" if "oneDNN" in names else "F.linear"
+        print(f"\n{str(dtype).removeprefix('torch.')} linears, one pass over SmolLM2's {LAYERS} layers + LM head "
+              "(ms; weight GB/s, vs read bandwidth)")
+        print("| rows | " + " | ".join(names) + f" | best native vs {base} |")
+        print("|---|" + "---|" * (len(names) + 1))
+        for r in lin:
+            cells = [f"{r[k]['ms']:.1f} ({r[k]['gbs']:.1f}, {r[k]['gbs'] * 1e9 / bw:.2f}x)" for k in names]
+            nat = [r[k]["ms"] for k in names if k.startswith("native")]
+            ratio = f"{r[base]['ms'] / min(nat):.2f}x" if nat else "-"
+            print(f"| {r['rows']} | " + " | ".join(cells) + f" | {ratio} |")
     rows = row_ops(lib)
     print("\nrow-wise ops (us per call)")
     print("| op | dtype | rows | torch | native | native vs torch |")
@@ -144,7 +152,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"host": host.describe(), "isa_level": native.isa_level(),
                                          "read_bandwidth_gbs": bw / 1e9, "threads": args.threads,
-                                         "linears": lin, "row_ops": rows}, indent=1))
+                                         "linears": tables, "row_ops": rows}, indent=1))
 
 
 if __name__ == "__main__":

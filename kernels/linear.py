@@ -4,12 +4,12 @@ oneDNN's blocked weight layout makes the small-M matmuls of decoding 1.5-2.5x fa
 than plain `F.linear` on an AVX-512/AMX CPU (measured in bench/RESULTS.md). Packing is
 done once after the weights are loaded, where the host can: oneDNN's bf16 needs
 AVX-512 (avx512bw/vl/dq), so an AVX2-only CPU keeps `F.linear`, as do fp32, CUDA and a
-torch without oneDNN. Where the native library is loaded and the CPU has AMX-BF16 (or
-at least AVX512-BF16), the weight is also packed for the native small-batch kernels
-(kernels/csrc/amx_bf16.cpp, gemv_bf16.cpp), which stream the weights closer to memory
-bandwidth than oneDNN does at decode batch sizes: `linear` takes them up to
-AMX_MAX_ROWS (GEMV_MAX_ROWS without AMX) rows, oneDNN above. The choices and their
-reasons are logged once per process.
+torch without oneDNN. Where the native library is loaded, the weight is also packed for a
+native small-batch kernel: bf16 on AMX tiles (kernels/csrc/amx_bf16.cpp) or AVX512-BF16
+dots (gemv_bf16.cpp), which stream the weights closer to memory bandwidth than oneDNN does
+at decode batch sizes; float32 on FMA register tiles (gemm_f32.cpp), AVX-512 or AVX2.
+`linear` takes the native kernel up to MAX_ROWS[kernel] rows, oneDNN or F.linear above.
+The choices and their reasons are logged once per process.
 """
 
 from __future__ import annotations
@@ -23,28 +23,45 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.host import cpu, log_choice
 
-# Rows of x up to which the native kernels beat oneDNN (AMX host, SmolLM2's shapes, a
-# model's worth of distinct weights, bench/RESULTS.md): the AMX one 1.5x at 1-32 rows,
-# 1.15x at 64, 1.05x at 128; the AVX512-BF16 one 1.24x at 1 row, ~1.05x at 2-8, 0.75x at 16.
-AMX_MAX_ROWS = 128
-GEMV_MAX_ROWS = 8
+# Rows of x up to which each native kernel beats the matmul it replaces (AMX host,
+# SmolLM2's shapes, a model's worth of distinct weights, bench/RESULTS.md): AMX vs oneDNN
+# 1.5x at 1-32 rows, 1.15x at 64, 1.05x at 128; AVX512-BF16 dots vs oneDNN 1.24x at 1 row,
+# ~1.05x at 2-8, 0.75x at 16; float32 FMA tiles vs F.linear 1.04x at 1, 2x at 4-8, 1.4x at
+# 32, 1.13x at 256.
+MAX_ROWS = {"amx": 128, "dots": 8, "f32": 256}
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A bf16 weight in the layouts this host's matmuls read; None where one does not apply."""
+    """A weight in the layouts this host's matmuls read; None where one does not apply."""
 
-    onednn: torch.Tensor | None  # oneDNN's blocked layout
-    gemv: torch.Tensor | None  # native.pack_gemv_weight's layout, read by both native kernels
-    library: ctypes.CDLL | None  # the native library that runs `gemv`
-    amx: bool = False  # run `gemv` on AMX tiles (else AVX512-BF16 dot instructions)
+    onednn: torch.Tensor | None  # oneDNN's blocked layout (bf16)
+    native: torch.Tensor | None  # native.pack_matmul_weight's layout for `kernel`
+    library: ctypes.CDLL | None  # the native library that runs `kernel`
+    kernel: str | None = None  # a key of native.MATMULS
 
     @property
     def native_rows(self) -> int:
         """The most rows of x the native kernel takes (0: none)."""
-        if self.gemv is None:
-            return 0
-        return AMX_MAX_ROWS if self.amx else GEMV_MAX_ROWS
+        return MAX_ROWS[self.kernel] if self.native is not None else 0
+
+
+def native_kernel(dtype: torch.dtype) -> tuple[str | None, str]:
+    """The native small-batch matmul for `dtype` on this CPU (a key of native.MATMULS, or
+    None), and why."""
+    caps = cpu()
+    if dtype == torch.bfloat16:
+        if caps.amx_bf16:
+            return "amx", "this CPU has AMX-BF16"
+        if caps.avx512_bf16:
+            return "dots", "this CPU has AVX512-BF16 (no AMX)"
+        return None, f"bf16 dots need AVX512-BF16 and this CPU has {caps.isa}"
+    if dtype == torch.float32:
+        if native.isa_level() == "generic":
+            return None, "no AVX2 or AVX-512 on this CPU"
+        return "f32", f"FMA tiles on {native.isa_level()}"
+    return None, f"no native matmul for {dtype}"
+
 
 _PACK_BATCH_HINT = 32  # oneDNN picks its blocking for this M; measured flat for M in 1..512
 
@@ -61,35 +78,36 @@ def packing_supported() -> tuple[bool, str]:
 
 def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> PackedWeight | None:
     """The packed copies of a [out, in] weight, or None where packing does not apply.
-    `library`: the native library (kernels.native_ops.library()), for the small-batch kernel."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+    `library`: the native library (kernels.native_ops.library()), for the small-batch kernels."""
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
-    ok, why = packing_supported()
     onednn = None
-    if ok:
-        try:
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-        except (AttributeError, RuntimeError) as e:
-            ok, why = False, f"oneDNN refused to pack ({str(e).splitlines()[0][:120]})"
-    log_choice("bf16 linear", "oneDNN packed weights" if ok else "F.linear", why)
-    caps, gemv = cpu(), None
-    if library is not None and (caps.amx_bf16 or caps.avx512_bf16):
-        gemv = native.pack_gemv_weight(weight)
-    if gemv is not None:
-        kind = "AMX tiles" if caps.amx_bf16 else "AVX512-BF16 dots"
-        log_choice("bf16 linear at decode batch sizes",
-                   f"native kernel on {kind} up to {AMX_MAX_ROWS if caps.amx_bf16 else GEMV_MAX_ROWS} rows",
-                   f"this CPU has {'AMX-BF16' if caps.amx_bf16 else 'AVX512-BF16'} and the native library is loaded")
-    if onednn is None and gemv is None:
+    if weight.dtype == torch.bfloat16:
+        ok, why = packing_supported()
+        if ok:
+            try:
+                onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+            except (AttributeError, RuntimeError) as e:
+                ok, why = False, f"oneDNN refused to pack ({str(e).splitlines()[0][:120]})"
+        log_choice("bf16 linear", "oneDNN packed weights" if ok else "F.linear", why)
+    kernel, why = native_kernel(weight.dtype)
+    packed = native.pack_matmul_weight(weight, kernel) if library is not None and kernel is not None else None
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if packed is not None:
+        log_choice(f"{dtype} linear at decode batch sizes", f"native {kernel} kernel up to {MAX_ROWS[kernel]} rows",
+                   why)
+    elif library is not None:
+        log_choice(f"{dtype} linear at decode batch sizes", "no native kernel", why)
+    if onednn is None and packed is None:
         return None
-    return PackedWeight(onednn, gemv, library if gemv is not None else None, amx=gemv is not None and caps.amx_bf16)
+    return PackedWeight(onednn, packed, library if packed is not None else None, kernel if packed is not None else None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     if packed is not None:
         if x.shape[0] <= packed.native_rows:
-            out = native.gemv_bf16(packed.library, x, packed.gemv, bias, amx=packed.amx)
+            out = native.matmul(packed.library, x, packed.native, bias, packed.kernel)
             if out is not None:
                 return out
         if packed.onednn is not None:

@@ -2,8 +2,8 @@
 ctypes: paged decode attention that reads K/V in place through the block tables
 (paged_decode.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
 residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
-bf16 matmul of decode steps (amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
-dot instructions), both over one packed weight layout.
+matmuls of decode steps (bf16: amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
+dot instructions, over one packed layout; float32: gemm_f32.cpp).
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -32,7 +32,8 @@ from kernels.host import cpu
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "paged_decode.cpp", _CSRC / "norm_act.cpp", _CSRC / "gemv_bf16.cpp", _CSRC / "amx_bf16.cpp"]
+SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "norm_act.cpp", "gemv_bf16.cpp", "amx_bf16.cpp",
+                                     "gemm_f32.cpp")]
 HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
@@ -47,8 +48,13 @@ SIGNATURES = {  # the library's functions: argument types (all return int: 0, or
     "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
     "pdserve_gemv_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
     "pdserve_amx_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
+    "pdserve_gemm_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
 }
-GEMV_ROWS = 16  # output rows per packed block (kernels/csrc/gemv_bf16.cpp)
+# The small-batch matmuls: kernel -> (function, dtype). "amx": AMX tiles (amx_bf16.cpp),
+# "dots": AVX512-BF16 dot instructions (gemv_bf16.cpp), "f32": FMA tiles (gemm_f32.cpp).
+MATMULS = {"amx": ("pdserve_amx_bf16", torch.bfloat16), "dots": ("pdserve_gemv_bf16", torch.bfloat16),
+           "f32": ("pdserve_gemm_f32", torch.float32)}
+MATMUL_BLOCK = 16  # output rows per packed block
 
 
 class NativeUnavailable(RuntimeError):
@@ -196,34 +202,39 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows
     return None if rc != 0 else out
 
 
-def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A [n, k] bf16 weight in gemv_bf16's layout, [n/16, k/2, 16, 2]: each 64-byte row holds
-    the (k, k+1) pair of 16 output rows. None where the kernel cannot take it."""
+def pack_matmul_weight(weight: torch.Tensor, kernel: str) -> torch.Tensor | None:
+    """A [n, k] weight in the layout of a small-batch matmul kernel (MATMULS), or None where
+    the kernel cannot take it. bf16 ("amx", "dots"): [n/16, k/2, 16, 2], each 64-byte row
+    the (k, k+1) pair of 16 output rows; float32 ("f32"): [n/16, k, 16]."""
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or n % GEMV_ROWS or k % 2:
+    if weight.dtype != MATMULS[kernel][1] or n % MATMUL_BLOCK:
         return None
-    return weight.view(n // GEMV_ROWS, GEMV_ROWS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if kernel == "f32":
+        return weight.view(n // MATMUL_BLOCK, MATMUL_BLOCK, k).transpose(1, 2).contiguous()
+    if k % 2:
+        return None
+    return weight.view(n // MATMUL_BLOCK, MATMUL_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def gemv_bf16(
+def matmul(
     lib: ctypes.CDLL,
-    x: torch.Tensor,  # [m, k] bf16, rows contiguous
-    packed: torch.Tensor,  # pack_gemv_weight of a [n, k] weight
-    bias: torch.Tensor | None,  # [n] bf16
-    amx: bool = False,
-) -> torch.Tensor | None:  # [m, n] bf16
-    """x @ weight.T + bias, by the AMX kernel (`amx`) or the AVX512-BF16 one; None where it
-    does not serve (the CPU lacks its ISA, a shape it cannot take: the caller runs its
-    other matmul)."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1 or (bias is not None and (
-            bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+    x: torch.Tensor,  # [m, k], rows contiguous
+    packed: torch.Tensor,  # pack_matmul_weight(weight [n, k], kernel)
+    bias: torch.Tensor | None,  # [n]
+    kernel: str,
+) -> torch.Tensor | None:  # [m, n]
+    """x @ weight.T + bias by a small-batch kernel; None where it does not serve (the CPU
+    lacks its ISA, a shape it cannot take: the caller runs its other matmul)."""
+    name, dtype = MATMULS[kernel]
+    if x.dtype != dtype or x.dim() != 2 or x.stride(1) != 1 or (bias is not None and (
+            bias.dtype != dtype or not bias.is_contiguous())):
         return None
     m, k = x.shape
-    n = packed.shape[0] * GEMV_ROWS
-    if packed.shape[1] * 2 != k:
-        raise ValueError(f"gemv_bf16: x has {k} columns, the weight {packed.shape[1] * 2}")
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    fn = lib.pdserve_amx_bf16 if amx else lib.pdserve_gemv_bf16
-    rc = fn(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-            out.data_ptr(), n, m, n, k, torch.get_num_threads())
+    n = packed.shape[0] * MATMUL_BLOCK
+    k_packed = packed.shape[1] if kernel == "f32" else packed.shape[1] * 2
+    if k_packed != k:
+        raise ValueError(f"native matmul: x has {k} columns, the weight {k_packed}")
+    out = torch.empty(m, n, dtype=dtype)
+    rc = getattr(lib, name)(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                            out.data_ptr(), n, m, n, k, torch.get_num_threads())
     return None if rc != 0 else out

@@ -1,9 +1,10 @@
-"""The native small-batch bf16 matmuls (kernels/csrc/amx_bf16.cpp on AMX tiles,
-gemv_bf16.cpp on AVX512-BF16 dots) against F.linear in float32 on random inputs: each
-kernel the host can run, directly, over row counts that fill one tile, part of one, and
-several row groups, with and without a bias, x with a row stride; then through
-kernels.linear as the model calls it, across the row count where it hands over to oneDNN.
-A kernel whose ISA this CPU lacks must refuse (and linear still answer)."""
+"""The native small-batch matmuls (kernels/csrc/amx_bf16.cpp on AMX tiles, gemv_bf16.cpp on
+AVX512-BF16 dots, gemm_f32.cpp on float32 FMA tiles) against F.linear in float64 on random
+inputs: each kernel the host can run, directly, over row counts that fill one tile, part
+of one, and several, output widths of whole and partial register tiles, with a bias, x
+with a row stride; then through kernels.linear as the model calls it, across the row
+count where it hands over to oneDNN / F.linear. A kernel whose ISA this CPU lacks must
+refuse (and linear still answer)."""
 
 from __future__ import annotations
 
@@ -25,51 +26,62 @@ def library(tmp_path_factory):
     return native.open_library(native.build(tmp_path_factory.mktemp("native")))
 
 
-KERNELS = {"amx": cpu().amx_bf16, "dots": cpu().avx512_bf16}  # kernel -> whether this CPU runs it
+# kernel -> whether this CPU runs it
+KERNELS = {"amx": cpu().amx_bf16, "dots": cpu().avx512_bf16, "f32": native.isa_level() != "generic"}
+TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 70])
-@pytest.mark.parametrize("k", [96, 98])
-def test_each_kernel_matches_f_linear(library, kernel, rows, k):
-    gen = torch.Generator().manual_seed(rows + k)
-    n = 176  # 11 blocks of 16 output rows: an odd count, so the AMX kernel's last step has one
-    w = (0.1 * torch.randn(n, k, generator=gen)).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16()
-    x = torch.randn(rows, k + 30, generator=gen).bfloat16()[:, 7:7 + k]  # rows strided
-    got = native.gemv_bf16(library, x, native.pack_gemv_weight(w), b, amx=kernel == "amx")
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 17, 33, 70])
+@pytest.mark.parametrize("n,k", [(176, 96), (176, 98), (48, 64)])
+def test_each_kernel_matches_f_linear(library, kernel, rows, n, k):
+    """n = 176: 11 blocks of 16 output rows (the AMX kernel's last step has one block, the
+    float32 one's last register tile 3 of 4 on AVX-512); n = 48: less than one tile."""
+    dtype = native.MATMULS[kernel][1]
+    gen = torch.Generator().manual_seed(rows + k + n)
+    w = (0.1 * torch.randn(n, k, generator=gen)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(rows, k + 30, generator=gen).to(dtype)[:, 7:7 + k]  # rows strided
+    got = native.matmul(library, x, native.pack_matmul_weight(w, kernel), b, kernel)
     if not KERNELS[kernel] or (kernel == "amx" and k % 32):  # AMX steps K by 32
         assert got is None
         return
-    torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), b.float()), atol=2e-2, rtol=1e-2)
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 40, 128, 129])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 128, 129, 257])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_small_batch_linear_matches_f_linear(library, rows, with_bias):
+def test_small_batch_linear_matches_f_linear(library, dtype, rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
     n, k = 176, 96
-    w = (0.1 * torch.randn(n, k, generator=gen)).bfloat16()
-    b = torch.randn(n, generator=gen).bfloat16() if with_bias else None
-    wide = torch.randn(rows, k + 30, generator=gen).bfloat16()
+    w = (0.1 * torch.randn(n, k, generator=gen)).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    wide = torch.randn(rows, k + 30, generator=gen).to(dtype)
     x = wide[:, 5:5 + k]  # rows strided, as a view of a wider activation
     packed = klinear.pack_weight(w, library)
-    assert (packed.gemv is not None) == (cpu().avx512_bf16 or cpu().amx_bf16)
-    assert packed.amx == cpu().amx_bf16
+    kernel, _ = klinear.native_kernel(dtype)
+    if kernel is not None:  # this CPU runs a native kernel for the dtype: the weight is packed for it
+        assert packed is not None and packed.kernel == kernel
     got = klinear.linear(x, w, b, packed)
-    want = F.linear(x.float(), w.float(), None if b is None else b.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
 
-def test_the_kernel_refuses_what_it_cannot_take(library):
+def test_the_kernels_refuse_what_they_cannot_take(library):
     x = torch.randn(2, 64).bfloat16()
-    assert native.pack_gemv_weight(torch.randn(40, 64).bfloat16()) is None  # 40 rows: not 16k
-    assert native.pack_gemv_weight(torch.randn(32, 63).bfloat16()) is None  # odd k
-    assert native.pack_gemv_weight(torch.randn(32, 64)) is None  # float32
-    packed = native.pack_gemv_weight(torch.randn(32, 64).bfloat16())
-    assert native.gemv_bf16(library, x.float(), packed, None) is None  # float32 x
+    assert native.pack_matmul_weight(torch.randn(40, 64).bfloat16(), "amx") is None  # 40 rows: not 16k
+    assert native.pack_matmul_weight(torch.randn(40, 64), "f32") is None
+    assert native.pack_matmul_weight(torch.randn(32, 63).bfloat16(), "dots") is None  # odd k
+    assert native.pack_matmul_weight(torch.randn(32, 64), "dots") is None  # float32 for a bf16 kernel
+    packed = native.pack_matmul_weight(torch.randn(32, 64).bfloat16(), "dots")
+    assert native.matmul(library, x.float(), packed, None, "dots") is None  # float32 x
     with pytest.raises(ValueError, match="columns"):
-        native.gemv_bf16(library, torch.randn(2, 62).bfloat16(), packed, None)
-    if not cpu().avx512_bf16:
-        assert native.gemv_bf16(library, x, packed, None) is None  # no AVX512-BF16: refused at run time
+        native.matmul(library, torch.randn(2, 62).bfloat16(), packed, None, "dots")
+    for kernel, runs in KERNELS.items():
+        if not runs:  # this CPU lacks the kernel's ISA: refused at run time
+            dtype = native.MATMULS[kernel][1]
+            p = native.pack_matmul_weight(torch.randn(32, 64).to(dtype), kernel)
+            assert native.matmul(library, x.to(dtype), p, None, kernel) is None
