@@ -5,13 +5,16 @@ Block-major keeps every block's K and V for all layers in one contiguous region
 (num_layers * 2 * block_size * kv_heads * head_dim * itemsize bytes: 360 KiB for
 SmolLM2 in bf16), which is what a KV transfer wants: NIXL moves regions of >= 16 KiB near
 memcpy speed, while a layer-major layout would cut each block into 6 KiB pieces.
-Attention reads per-layer strided views `[num_blocks, block_size, kv_heads, head_dim]`.
+Attention reads per-layer strided views `[num_blocks, block_size, kv_heads, head_dim]`,
+block after block from all over the pool: the pool sits on 2 MiB pages where the host
+allows (kernels/memory.py), so those reads do not miss the TLB at nearly every block.
 """
 
 from __future__ import annotations
 
 import torch
 
+import kernels.memory
 from engine.config import ModelConfig
 
 
@@ -21,8 +24,9 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
-        self.pool = torch.zeros(num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                dtype=dtype, device=device)
+        # on huge pages where the host allows: a step reads blocks from all over the pool
+        self.pool = kernels.memory.zeros((num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+                                         dtype, device)
         # Per layer: (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim].
         self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(cfg.num_layers)]
 

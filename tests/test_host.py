@@ -52,3 +52,13 @@ def test_the_linear_path_follows_the_cpu():
     supported, why = linear.packing_supported()
     assert supported == cpu().onednn_bf16, why
     assert cpu().isa in why or "oneDNN" in why
+
+
+def test_the_kv_pool_is_zeroed_aligned_and_on_huge_pages_where_the_host_allows():
+    from kernels import memory
+
+    pool = memory.zeros((7, 3, 2, 16, 3, 64), torch.bfloat16)
+    assert pool.shape == (7, 3, 2, 16, 3, 64) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
+    assert not pool.any()
+    if memory._thp_mode() in ("always", "madvise"):
+        assert pool.data_ptr() % memory.HUGE_PAGE == 0

@@ -95,3 +95,4 @@ def test_the_op_set_falls_back_to_the_reference_where_a_kernel_does_not_serve(li
     q = torch.randn(4, 2, 8)
     cs = torch.randn(4, 1, 8)
     torch.testing.assert_close(native_ops.rotary(q, cs, cs), reference.rotary(q, cs, cs))
+
