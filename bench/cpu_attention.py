@@ -29,7 +29,8 @@ SHAPES = {"smollm2": (9, 3, 64), "llama-8b": (32, 8, 128)}
 BLOCK = 16
 
 
-def _median_s(fn, repeat: int = 15) -> float:
+def median_seconds(fn, repeat: int = 15) -> float:
+    """Median wall time of `repeat` calls of fn, after one warm-up call."""
     fn()
     times = []
     for _ in range(repeat):
@@ -42,7 +43,7 @@ def _median_s(fn, repeat: int = 15) -> float:
 def copy_bandwidth() -> float:
     src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / _median_s(lambda: dst.copy_(src), 5)  # read + written
+    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 5)  # read + written
 
 
 def run(threads: int) -> list[dict]:
@@ -62,8 +63,8 @@ def run(threads: int) -> list[dict]:
                     lens = torch.full((batch,), ctx, dtype=torch.int64)
                     q = torch.randn(batch, heads, head_dim, generator=gen).to(dtype)
                     scale = head_dim ** -0.5
-                    t_torch = _median_s(lambda: reference.paged_decode_attention(q, k, v, tables, lens, scale))
-                    t_native = _median_s(lambda: native.paged_decode_attention(lib, q, k, v, tables, lens, scale))
+                    t_torch = median_seconds(lambda: reference.paged_decode_attention(q, k, v, tables, lens, scale))
+                    t_native = median_seconds(lambda: native.paged_decode_attention(lib, q, k, v, tables, lens, scale))
                     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * q.element_size()
                     rows.append(dict(model=model, dtype=str(dtype).removeprefix("torch."), batch=batch, ctx=ctx,
                                      torch_ms=t_torch * 1e3, native_ms=t_native * 1e3, speedup=t_torch / t_native,

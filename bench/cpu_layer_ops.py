@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench.cpu_attention import median_seconds
 from kernels import native, reference
 from kernels.host import cpu
 
@@ -36,19 +35,9 @@ LAYERS = 30
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _median_s(fn, repeat: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def read_bandwidth() -> float:
     src = torch.ones(64 << 20, dtype=torch.float32)  # 256 MiB
-    return src.numel() * 4 / _median_s(lambda: src.sum(), 5)
+    return src.numel() * 4 / median_seconds(lambda: src.sum(), 5)
 
 
 def linears(lib, dtype: torch.dtype) -> list[dict]:
@@ -83,7 +72,7 @@ def linears(lib, dtype: torch.dtype) -> list[dict]:
                 for (k, _), w, p in zip(shapes, weights, pack):
                     fn(xs[k], w, p)
 
-            seconds = _median_s(one_pass, 5)
+            seconds = median_seconds(one_pass, 5)
             row[name] = dict(ms=seconds * 1e3, gbs=weight_bytes / seconds / 1e9)
         rows.append(row)
         best = min((v["ms"], k) for k, v in row.items() if k != "rows")
@@ -111,7 +100,7 @@ def row_ops(lib) -> list[dict]:
                 "silu_mul": (lambda: reference.silu_mul(gu), lambda: native.silu_mul(lib, gu)),
             }
             for name, (ref, nat) in ops.items():
-                t_ref, t_nat = _median_s(ref, 50), _median_s(nat, 50)
+                t_ref, t_nat = median_seconds(ref, 50), median_seconds(nat, 50)
                 out.append(dict(op=name, dtype=str(dtype).removeprefix("torch."), rows=n, torch_us=t_ref * 1e6,
                                 native_us=t_nat * 1e6, speedup=t_ref / t_nat))
     return out

@@ -69,6 +69,13 @@ def isa_level() -> str:
     return "avx2" if caps.torch_isa.startswith("AVX2") or caps.torch_isa.startswith("AVX512") else "generic"
 
 
+def runnable_levels() -> list[str]:
+    """Every ISA level this host can run a build of, narrowest first (tests check each)."""
+    caps = cpu()
+    avx2 = caps.torch_isa.startswith(("AVX2", "AVX512"))
+    return ["generic"] + (["avx2"] if avx2 else []) + (["avx512"] if caps.avx512 else [])
+
+
 def build(cache_dir: Path, level: str | None = None) -> Path:
     """The shared library for `level` (default: this host's), compiled unless cached."""
     level = level or isa_level()

@@ -56,3 +56,18 @@ def client(system):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{system[0]}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def libraries(tmp_path_factory):
+    """The native kernel library built for every ISA level this host runs, by level
+    (tests/test_kernels_native*.py check each against the torch references); built once a
+    session, ~7 s a level."""
+    import shutil
+
+    from kernels import native
+
+    if shutil.which("g++") is None:
+        pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
+    cache = tmp_path_factory.mktemp("native")
+    return {level: native.open_library(native.build(cache, level)) for level in native.runnable_levels()}

@@ -6,26 +6,15 @@ engine/kv_cache.py lays them out), at every ISA level this host can run."""
 from __future__ import annotations
 
 import random
-import shutil
 
 import pytest
 import torch
 
 import kernels
 from kernels import native, native_ops, reference
-from kernels.host import cpu
 
-LEVELS = ["generic"] + (["avx2"] if cpu().torch_isa.startswith(("AVX2", "AVX512")) else []) + \
-    (["avx512"] if cpu().avx512 else [])
+LEVELS = native.runnable_levels()
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
-    cache = tmp_path_factory.mktemp("native")
-    return {level: native.open_library(native.build(cache, level)) for level in LEVELS}
 
 
 @pytest.mark.parametrize("level", LEVELS)

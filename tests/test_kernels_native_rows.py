@@ -6,26 +6,18 @@ for shapes the kernels do not serve."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from kernels import native, native_ops, reference
-from tests.test_kernels_native import LEVELS
+
+LEVELS = native.runnable_levels()
+
 
 # bf16: the kernels round where the torch ops round; one bf16 step apart at most (the
 # norm's rsqrt and SiLU's exp are not torch's to the last bit).
 TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
-    cache = tmp_path_factory.mktemp("native")
-    return {level: native.open_library(native.build(cache, level)) for level in LEVELS}
 
 
 def served(level: str) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 import kernels
 from engine.seeded_random import seeded_exponentials
+from kernels import native_ops
 from kernels import reference as ref
 from kernels import triton_ops as tri
 
@@ -34,7 +35,7 @@ TOL = {  # output vs a float32 reference on the same (rounded) inputs
 def test_the_interpreter_is_on_and_dispatch_follows_pdserve_kernels(monkeypatch):
     assert tri.INTERPRET
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
-    assert kernels.get_ops("cpu") is ref
+    assert kernels.get_ops("cpu") is native_ops  # auto on CPU: the native op set where g++ builds it
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
     assert kernels.get_ops("cpu") is tri
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")
