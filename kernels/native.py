@@ -42,7 +42,7 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _F32 = ctypes.c_float
 SIGNATURES = {  # the library's functions: argument types (all return int: 0, or -1 = not served)
     "pdserve_paged_decode": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
-                             _PTR, _I64, _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT],
+                             _PTR, _I64, _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT],
     "pdserve_rms_norm": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT],
     "pdserve_rotary": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _INT],
     "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
@@ -125,8 +125,12 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [num_seqs] int64
     scale: float,
     out: torch.Tensor | None = None,
+    dots: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """kernels.reference.paged_decode_attention, reading each block where it lies."""
+    """kernels.reference.paged_decode_attention, reading each block where it lies.
+
+    `dots=False` keeps bfloat16 scores on rows widened to float32 even where the CPU has
+    AVX512-BF16 dot instructions (the tests check both paths)."""
     num_seqs, num_heads, head_dim = q.shape
     if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise TypeError(f"native decode attention takes float32 or bfloat16, one dtype (got {q.dtype}, "
@@ -142,7 +146,7 @@ def paged_decode_attention(
         k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
-        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, torch.get_num_threads())
+        num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, torch.get_num_threads(), int(dots))
     if rc != 0:
         raise ValueError(f"native decode attention refused the shapes: {num_heads} heads over {k_cache.shape[2]} "
                          f"KV heads, head_dim {head_dim}")

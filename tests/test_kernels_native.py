@@ -18,12 +18,13 @@ TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(ato
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 scores with AVX512-BF16 dot instructions where the CPU has them, and on widened rows
+@pytest.mark.parametrize("dtype,dots", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
 # (9, 3, 64, 16) and (8, 2, 128, 32) take the vector path (decode_simd) where the level has one;
 # head_dim 32, 16 query heads per KV head, or (AVX-512) a block of 8 take the plain loops.
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 32), (16, 1, 64, 16), (6, 2, 64, 8)])
-def test_native_decode_attention_matches_the_reference(libraries, level, dtype, heads, kv_heads, head_dim,
+def test_native_decode_attention_matches_the_reference(libraries, level, dtype, dots, heads, kv_heads, head_dim,
                                                         block_size):
     rng = random.Random(hash((level, str(dtype), heads, head_dim)) & 0xFFFF)
     gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
@@ -43,7 +44,8 @@ def test_native_decode_attention_matches_the_reference(libraries, level, dtype, 
     scale = head_dim ** -0.5
     want = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, context_lens,
                                             scale)
-    got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, context_lens, scale)
+    got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, context_lens, scale,
+                                        dots=dots)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
@@ -51,7 +53,7 @@ def test_native_decode_attention_matches_the_reference(libraries, level, dtype, 
 @pytest.mark.parametrize("level", LEVELS)
 def test_peaked_scores_keep_the_online_softmax_exact(libraries, level):
     """Scores that span ~100 nats, their max in a late chunk: every earlier chunk's weights
-    are rescaled to the new max (decode_simd's running max) and must still sum right."""
+    are rescaled to the new max (the vector path's running max) and must still sum right."""
     gen = torch.Generator().manual_seed(7)
     block_size, kv_heads, head_dim = 16, 3, 64
     pool = torch.randn(40, 2, block_size, kv_heads, head_dim, generator=gen)
@@ -62,6 +64,30 @@ def test_peaked_scores_keep_the_online_softmax_exact(libraries, level):
     lens = torch.tensor([600, 487], dtype=torch.int64)
     want = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.125)
     got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("lens", [[700], [5, 650], [1, 33, 2, 400]])
+def test_small_batches_split_each_context_across_threads(libraries, level, threads, lens):
+    """With fewer sequences than threads have work, each context is cut into parts (some
+    empty where a context is short) whose softmax states are merged: still the reference."""
+    gen = torch.Generator().manual_seed(len(lens) * 10 + threads)
+    block_size, kv_heads, head_dim = 16, 3, 64
+    pool = torch.randn(48, 2, block_size, kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = pool[:, 0], pool[:, 1]
+    tables = torch.stack([torch.randperm(48, generator=gen)[:44] for _ in lens])
+    q = torch.randn(len(lens), 9, head_dim, generator=gen)
+    context_lens = torch.tensor(lens, dtype=torch.int64)
+    want = reference.paged_decode_attention(q.double(), k_cache.double(), v_cache.double(), tables, context_lens,
+                                            0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.paged_decode_attention(libraries[level], q, k_cache, v_cache, tables, context_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 

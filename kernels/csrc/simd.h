@@ -32,6 +32,24 @@ inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline vec min(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline float reduce_add(vec x) { return _mm512_reduce_add_ps(x); }
 inline float reduce_max(vec x) { return _mm512_reduce_max_ps(x); }
+// Lane j of the result: the sum of t[j]'s lanes (16 horizontal sums for ~45 shuffles and
+// adds, against ~8 dependent steps for each one alone).
+inline vec transpose_sum(const vec* t) {
+  __m512 r[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: (t[4i], .., t[4i+3]) partial sums
+    const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(t[4 * i], t[4 * i + 1]), _mm512_unpackhi_ps(t[4 * i], t[4 * i + 1]));
+    const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(t[4 * i + 2], t[4 * i + 3]),
+                                   _mm512_unpackhi_ps(t[4 * i + 2], t[4 * i + 3]));
+    const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+    r[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+  }
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(r[2], r[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(z01, z23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
 inline mask first(int n) { return static_cast<mask>(n >= LANES ? 0xffff : (1u << n) - 1u); }
 inline vec select(mask m, vec x, vec otherwise) { return _mm512_mask_blend_ps(m, otherwise, x); }
 inline vec round_nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -76,6 +94,18 @@ inline float reduce_max(vec x) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// Lane j of the result: the sum of t[j]'s lanes (8 horizontal sums for ~21 shuffles and adds).
+inline vec transpose_sum(const vec* t) {
+  __m256 r[2];
+  for (int i = 0; i < 2; ++i) {  // per 128-bit lane: (t[4i], .., t[4i+3]) partial sums
+    const __m256 a = _mm256_add_ps(_mm256_unpacklo_ps(t[4 * i], t[4 * i + 1]), _mm256_unpackhi_ps(t[4 * i], t[4 * i + 1]));
+    const __m256 b = _mm256_add_ps(_mm256_unpacklo_ps(t[4 * i + 2], t[4 * i + 3]),
+                                   _mm256_unpackhi_ps(t[4 * i + 2], t[4 * i + 3]));
+    const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b);
+    r[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ad, bd)), _mm256_castpd_ps(_mm256_unpackhi_pd(ad, bd)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(r[0], r[1], 0x20), _mm256_permute2f128_ps(r[0], r[1], 0x31));
 }
 inline mask first(int n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
