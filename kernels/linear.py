@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from kernels import native
 from kernels.host import cpu, log_choice
 
-# Rows of x up to which each native kernel beats the matmul it replaces (AMX host,
-# SmolLM2's shapes, a model's worth of distinct weights, bench/RESULTS.md): AMX vs oneDNN
-# 1.5x at 1-32 rows, 1.15x at 64, 1.05x at 128; AVX512-BF16 dots vs oneDNN 1.24x at 1 row,
-# ~1.05x at 2-8, 0.75x at 16; float32 FMA tiles vs F.linear 1.04x at 1, 2x at 4-8, 1.4x at
-# 32, 1.13x at 256.
-MAX_ROWS = {"amx": 128, "dots": 8, "f32": 256}
+# Rows of x up to which each native kernel beats the matmul it replaces (SmolLM2's shapes,
+# a model's worth of distinct weights, bench/RESULTS.md). AMX host: AMX vs oneDNN 1.5x at
+# 1-32 rows, 1.15x at 64, 1.05x at 128. AVX512-BF16 host without AMX (AMD Zen 5): dots
+# (register tiles above 8 rows) vs oneDNN 1.33x at 8 rows, 1.42x at 32, 1.15x at 256,
+# 1.10x at 512 (prefill chunks too). float32 FMA tiles vs F.linear 1.04x at 1, 2x at 4-8,
+# 1.4x at 32, 1.13x at 256 (AMX host).
+MAX_ROWS = {"amx": 128, "dots": 512, "f32": 256}
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(ato
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("rows", [1, 3, 6, 16, 17, 33, 70])
+@pytest.mark.parametrize("rows", [1, 3, 6, 12, 16, 17, 24, 33, 70])
 @pytest.mark.parametrize("n,k", [(176, 96), (176, 98), (48, 64)])
 def test_each_kernel_matches_f_linear(library, kernel, rows, n, k):
     """n = 176: 11 blocks of 16 output rows (the AMX kernel's last step has one block, the
@@ -47,7 +47,7 @@ def test_each_kernel_matches_f_linear(library, kernel, rows, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 8, 9, 128, 129, 257])
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 128, 129, 257, 513])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_small_batch_linear_matches_f_linear(library, dtype, rows, with_bias):
     gen = torch.Generator().manual_seed(rows)
