@@ -5,8 +5,10 @@ token's K/V is written into its slot of the paged pool before attention, so a qu
 always reads its whole context, new tokens included, from the pool.
 
 The torch ops (CPU) take decodes in groups of similar context length and prefill chunks
-one by one; batched op sets (the Triton kernels on CUDA) take all decodes in one call and
-all prefill chunks in another, from `VarlenMetadata`, derived once per step on first use.
+one by one; the native op set (CPU) reads the pool in place, all decodes in one call
+(DECODE_IN_PLACE) and all prefill chunks in another (PREFILL_IN_PLACE); batched op sets
+(the Triton kernels on CUDA) take all decodes in one call and all prefill chunks in
+another. The varlen calls read `VarlenMetadata`, derived once per step on first use.
 """
 
 from __future__ import annotations
@@ -142,14 +144,20 @@ def paged_attention(
                                                     g.context_lens, scale))
         else:
             parts.append(ops.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.mask, scale))
-    for span in meta.prefills:
-        s, e = span.start, span.start + span.num_new
-        if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context
-            kc, vc = k[s:e], v[s:e]
-        else:
-            kc = ops.gather_context(k_cache, span.block_table, span.context_len)
-            vc = ops.gather_context(v_cache, span.block_table, span.context_len)
-        parts.append(ops.prefill_attention(q[s:e], kc, vc, scale))
+    if meta.prefills and getattr(ops, "PREFILL_IN_PLACE", False):  # every chunk in one call
+        vm = VarlenMetadata.of(meta)
+        parts.append(ops.paged_prefill_attention(q[vm.num_decodes:], k_cache, v_cache, vm.prefill_cu_seqlens,
+                                                 vm.prefill_context_lens, vm.prefill_block_tables,
+                                                 vm.max_prefill_len, scale))
+    else:
+        for span in meta.prefills:
+            s, e = span.start, span.start + span.num_new
+            if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context
+                kc, vc = k[s:e], v[s:e]
+            else:
+                kc = ops.gather_context(k_cache, span.block_table, span.context_len)
+                vc = ops.gather_context(v_cache, span.block_table, span.context_len)
+            parts.append(ops.prefill_attention(q[s:e], kc, vc, scale))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 

@@ -1,8 +1,8 @@
 """Compute kernels behind one dispatch point.
 
 `get_ops(device)` returns the op set the model, attention and sampler call: on CPU
-`kernels.native_ops` (the torch ops of `kernels.reference`, with decode attention and the
-row-wise ops by native kernels built for this host's ISA: faster at every shape measured,
+`kernels.native_ops` (the torch ops of `kernels.reference`, with decode and prefill
+attention and the row-wise ops by native kernels built for this host's ISA: faster at every shape measured,
 bench/RESULTS.md), or `kernels.reference` itself where no compiler can build them (logged);
 on CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
 paged_attention, kv_copy, norm_rope, sampling). `kernels.reference` is also every
@@ -14,6 +14,7 @@ interpreter: slow, for tests), `native` requires the native op set (an error wit
 An op set is a module with:
   NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
   DECODE_IN_PLACE (native) paged_decode_attention takes the step's decodes, context lengths
+  PREFILL_IN_PLACE (native) paged_prefill_attention takes the step's prefill chunks (varlen)
   write_kv, rms_norm, add_rms_norm, rotary, silu_mul, pack_blocks, unpack_blocks
   BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
                   chunk over its gathered context), gather_context; engine/sampler.py

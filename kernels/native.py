@@ -1,6 +1,6 @@
 """Native CPU kernels (kernels/csrc/), built with the host's C++ compiler and loaded through
-ctypes: paged decode attention that reads K/V in place through the block tables
-(paged_decode.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
+ctypes: paged decode and prefill attention that read K/V in place through the block tables
+(paged_decode.cpp, paged_prefill.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
 residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
 matmuls of decode steps (bf16: amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
 dot instructions, over one packed layout; float32: gemm_f32.cpp).
@@ -32,7 +32,7 @@ from kernels.host import cpu
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "norm_act.cpp", "gemv_bf16.cpp", "amx_bf16.cpp",
+SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "norm_act.cpp", "gemv_bf16.cpp", "amx_bf16.cpp",
                                      "gemm_f32.cpp")]
 HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
@@ -43,6 +43,8 @@ _F32 = ctypes.c_float
 SIGNATURES = {  # the library's functions: argument types (all return int: 0, or -1 = not served)
     "pdserve_paged_decode": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR,
                              _PTR, _I64, _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT, _INT],
+    "pdserve_paged_prefill": [_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR,
+                              _PTR, _I64, _PTR, _I64, _I64, _INT, _INT, _INT, _INT, _INT, _F32, _INT],
     "pdserve_rms_norm": [_INT, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _INT, _F32, _INT],
     "pdserve_rotary": [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64, _INT, _INT, _INT],
     "pdserve_silu_mul": [_INT, _PTR, _I64, _PTR, _I64, _I64, _INT, _INT],
@@ -151,6 +153,39 @@ def paged_decode_attention(
         raise ValueError(f"native decode attention refused the shapes: {num_heads} heads over {k_cache.shape[2]} "
                          f"KV heads, head_dim {head_dim}")
     return out
+
+
+def paged_prefill_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the chunks' queries, one after another
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim], head_dim contiguous, chunks written
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int64
+    context_lens: torch.Tensor,  # [num_seqs] int64: each chunk is the last positions of its context
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int64
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | None:  # [num_tokens, num_heads, head_dim]
+    """kernels.reference.paged_prefill_attention, reading each block where it lies; None
+    where the kernel does not serve the shapes or the build has no vector ISA (the caller
+    then runs the reference)."""
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.stride(2) != 1 \
+            or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        return None
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    cu = cu_seqlens_q.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    rc = lib.pdserve_paged_prefill(
+        DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cu.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(), out.stride(0),
+        out.stride(1), lens.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
+        torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def _rows(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -1,13 +1,15 @@
 """The CPU op set with native kernels where they win: the torch ops of kernels.reference,
-but decode attention reads K/V in place through the block tables (kernels/native.py,
-kernels/csrc/paged_decode.cpp) instead of gathering every block into a copy first, and
+but decode and prefill attention read K/V in place through the block tables
+(kernels/native.py, kernels/csrc/paged_decode.cpp, paged_prefill.cpp) instead of gathering
+every block into a copy first, and
 RMS norm (with its residual add), rotary and SiLU-and-multiply are one pass each
 (kernels/csrc/norm_act.cpp) instead of a chain of torch ops. Any tensor a kernel does not
 take (float64 in tests, odd widths) runs the reference op.
 
 `kernels.get_ops` returns this module on CPU with PDSERVE_KERNELS=native (an error if the
 library cannot be built here). DECODE_IN_PLACE tells engine/attention.py to call
-`paged_decode_attention` with context lengths, one call over all the step's decodes.
+`paged_decode_attention` with context lengths, one call over all the step's decodes;
+PREFILL_IN_PLACE, `paged_prefill_attention` once over all the step's prefill chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from kernels.reference import (  # noqa: F401  (the rest of the op set, unchange
     decode_attention,
     gather_context,
     pack_blocks,
-    paged_prefill_attention,
     prefill_attention,
     sample,
     sampling_mask,
@@ -29,13 +30,14 @@ from kernels.reference import (  # noqa: F401  (the rest of the op set, unchange
     write_kv,
 )
 
-__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "init", "library", "paged_decode_attention", "add_rms_norm",
+__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "PREFILL_IN_PLACE", "init", "library", "paged_decode_attention", "add_rms_norm",
            "decode_attention", "gather_context", "pack_blocks", "paged_prefill_attention", "prefill_attention",
            "rms_norm", "rotary", "sample", "sampling_mask", "silu_mul", "unpack_blocks", "write_kv"]
 
 NAME = "native"
 BATCHED = False
 DECODE_IN_PLACE = True
+PREFILL_IN_PLACE = True
 
 _lib = None
 
@@ -58,6 +60,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.dtype in native.DTYPES:
         return native.paged_decode_attention(_lib, q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
     result = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            context_lens: torch.Tensor, block_tables: torch.Tensor, max_seqlen_q: int, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+    """kernels.reference.paged_prefill_attention; natively where the kernel serves the
+    shapes (float32 / bfloat16, head_dim 64 or 128, a vector ISA), else by the reference."""
+    done = native.paged_prefill_attention(_lib, q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables, scale,
+                                          out=out)
+    if done is not None:
+        return done
+    result = reference.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, context_lens, block_tables,
+                                               max_seqlen_q, scale)
     if out is None:
         return result
     out.copy_(result)

@@ -28,6 +28,7 @@ inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline vec min(vec a, vec b) { return _mm512_min_ps(a, b); }
 inline float reduce_add(vec x) { return _mm512_reduce_add_ps(x); }
@@ -52,6 +53,7 @@ inline vec transpose_sum(const vec* t) {
 }
 inline mask first(int n) { return static_cast<mask>(n >= LANES ? 0xffff : (1u << n) - 1u); }
 inline vec select(mask m, vec x, vec otherwise) { return _mm512_mask_blend_ps(m, otherwise, x); }
+inline mask ge(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }  // lanes where a >= b
 inline vec round_nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec times_pow2(vec x, vec n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
 inline vec div(vec a, vec b) { return _mm512_div_ps(a, b); }
@@ -83,6 +85,7 @@ inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline vec min(vec a, vec b) { return _mm256_min_ps(a, b); }
 inline float reduce_add(vec x) {
@@ -112,6 +115,7 @@ inline mask first(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane));
 }
 inline vec select(mask m, vec x, vec otherwise) { return _mm256_blendv_ps(otherwise, x, m); }
+inline mask ge(vec a, vec b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }  // lanes where a >= b
 inline vec round_nearest(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec times_pow2(vec x, vec n) {  // n integral in [-127, 127]
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
