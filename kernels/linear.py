@@ -28,8 +28,9 @@ from kernels.host import cpu, log_choice
 # 1-32 rows, 1.15x at 64, 1.05x at 128. AVX512-BF16 host without AMX (AMD Zen 5): dots
 # (register tiles above 8 rows) vs oneDNN 1.33x at 8 rows, 1.42x at 32, 1.15x at 256,
 # 1.10x at 512 (prefill chunks too). float32 FMA tiles vs F.linear 1.04x at 1, 2x at 4-8,
-# 1.4x at 32, 1.13x at 256 (AMX host).
-MAX_ROWS = {"amx": 128, "dots": 512, "f32": 256}
+# 1.4x at 32, 1.13x at 256 (AMX host); 1.47x at 256 and 512 on AMD Zen 5, where F.linear's
+# fp32 GEMM runs at ~0.6x of the FMA peak (prefill chunks: the default token budget).
+MAX_ROWS = {"amx": 128, "dots": 512, "f32": 512}
 
 
 @dataclass(frozen=True)
