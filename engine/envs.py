@@ -63,3 +63,24 @@ def fault_slow_factor() -> float:
     if not factor >= 1.0:
         raise ValueError(f"{FAULT_SLOW_FACTOR}={value!r}: must be a number >= 1")
     return factor
+
+
+FAULT_STEP_FLOOR_S = "PDSERVE_FAULT_STEP_FLOOR_S"
+
+
+def fault_step_floor_s() -> float:
+    """PDSERVE_FAULT_STEP_FLOOR_S: fault injection for tests. Seconds that every engine step
+    doing work (and the warm-up step) of every worker lasts at least, by sleeping the
+    difference after it: steps longer than a deadline on any host, however fast (a factor
+    would stretch a fast host's step less and a slow host's far more). Combines with
+    PDSERVE_FAULT_SLOW_FACTOR (the longer of the two). Unset or 0 in production."""
+    value = os.environ.get(FAULT_STEP_FLOOR_S, "").strip()
+    if not value:
+        return 0.0
+    try:
+        floor = float(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_STEP_FLOOR_S}={value!r}: must be a number of seconds >= 0") from None
+    if not 0.0 <= floor < float("inf"):
+        raise ValueError(f"{FAULT_STEP_FLOOR_S}={value!r}: must be a number of seconds >= 0")
+    return floor

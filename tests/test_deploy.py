@@ -248,11 +248,12 @@ def test_the_embedded_deployment_listens_on_loopback_only(smollm2_dir, tmp_path)
 
 
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
-    """Every step stretched 40x (a far slower host) and the prefill worker saturated with long
-    prompts, under a strict controller: deep health answers within a 1 s deadline, one miss
-    in a row replaces. Steps then take longer than that deadline (a probe queued behind one
-    would miss it, as it did before liveness was judged by progress), yet no worker is
-    replaced and every request is served."""
+    """Every working step lasting at least 2.5 s (PDSERVE_FAULT_STEP_FLOOR_S: a slow host,
+    the same on any real one) and the prefill worker saturated with long prompts, under a
+    strict controller: deep health answers within a 1 s deadline, one miss in a row
+    replaces. Steps then take longer than that deadline (a probe queued behind one would
+    miss it, as it did before liveness was judged by progress), yet no worker is replaced
+    and every request is served."""
     from rpc import auth
     from rpc import pdserve_pb2 as pb
     from rpc import pdserve_pb2_grpc as pb_grpc
@@ -266,7 +267,7 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
     url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
     prompt = "Tell me about the sea and its ships. " * 60  # ~540 tokens: two prefill steps each
     with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4",
-                 env={"PDSERVE_FAULT_SLOW_FACTOR": "40"}) as (_, address):
+                 env={"PDSERVE_FAULT_STEP_FLOOR_S": "2.5"}) as (_, address):
         (prefill,) = _status(address)["pools"]["prefill"]
         monkeypatch.setenv(auth.ENV, token)
         stub = pb_grpc.WorkerStub(auth.channel(prefill["address"]))

@@ -146,6 +146,21 @@ def test_the_slow_factor_stretches_each_step(model, monkeypatch):
         _loop(model)
 
 
+def test_the_step_floor_makes_each_working_step_last_at_least_it(model, monkeypatch):
+    """PDSERVE_FAULT_STEP_FLOOR_S: a step that ran tokens lasts at least the floor whatever
+    the host's speed; an iteration that ran nothing is not held back."""
+    monkeypatch.setenv(envs.FAULT_STEP_FLOOR_S, "0.3")
+    loop = _loop(model)
+    assert loop.warm_up() >= 0.3 and loop.liveness.longest_step_s >= 0.3
+    t0 = time.perf_counter()
+    assert loop._stretch(t0, 0) < 0.3
+    assert loop._stretch(time.perf_counter(), 5) >= 0.3
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv(envs.FAULT_STEP_FLOOR_S, bad)
+        with pytest.raises(ValueError, match="must be a number of seconds >= 0"):
+            _loop(model)
+
+
 def test_the_floor_must_be_positive():
     with pytest.raises(ValueError, match="must be > 0"):
         Liveness(floor_s=0)

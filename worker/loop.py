@@ -47,6 +47,7 @@ class EngineLoop:
         self.liveness = Liveness(stall_floor_s)
         self._stall_file = envs.fault_stall_file()
         self._slow_factor = envs.fault_slow_factor()
+        self._step_floor_s = envs.fault_step_floor_s()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -105,12 +106,18 @@ class EngineLoop:
         from it the longest step to expect; returns its duration in seconds."""
         t0 = time.perf_counter()
         tokens = self.engine.warm_up()
-        seconds = self._stretch(t0)
+        seconds = self._stretch(t0, tokens)
         self.liveness.warmed_up(seconds, tokens)
         log.info("%s: warm-up step of %d tokens took %.3fs (%.0f tokens/s); stall bound %.1fs (floor %.1fs)%s",
                  self.name or "worker", tokens, seconds, tokens / seconds, self.liveness.bound_s, self.liveness.floor_s,
-                 f"; steps stretched {self._slow_factor:g}x ({envs.FAULT_SLOW_FACTOR})" if self._slow_factor > 1 else "")
+                 self._stretch_note())
         return seconds
+
+    def _stretch_note(self) -> str:
+        note = f"; steps stretched {self._slow_factor:g}x ({envs.FAULT_SLOW_FACTOR})" if self._slow_factor > 1 else ""
+        if self._step_floor_s > 0:
+            note += f"; steps last at least {self._step_floor_s:g}s ({envs.FAULT_STEP_FLOOR_S})"
+        return note
 
     def start(self) -> None:
         self._thread.start()
@@ -255,12 +262,16 @@ class EngineLoop:
         except Exception:
             log.exception("failing the requests failed")
 
-    def _stretch(self, t0: float) -> float:
-        """The injected slow host (envs.fault_slow_factor): sleep until the work begun at
-        `t0` has taken `factor` times as long. Returns the (stretched) duration."""
+    def _stretch(self, t0: float, tokens: int) -> float:
+        """The injected slow host (envs.fault_slow_factor, envs.fault_step_floor_s): sleep
+        until the work begun at `t0` has taken `factor` times as long, and a step that ran
+        `tokens` > 0 at least the floor. Returns the (stretched) duration."""
         took = time.perf_counter() - t0
-        if self._slow_factor > 1.0:
-            time.sleep(took * (self._slow_factor - 1.0))
+        target = took * self._slow_factor
+        if tokens > 0:
+            target = max(target, self._step_floor_s)
+        if target > took:
+            time.sleep(target - took)
             return time.perf_counter() - t0
         return took
 
@@ -280,7 +291,7 @@ class EngineLoop:
         if self.engine.has_unfinished():
             t0 = time.perf_counter()
             out, result = self._schedule_and_execute()
-            self.liveness.stepped(self._stretch(t0), out.num_tokens)
+            self.liveness.stepped(self._stretch(t0, out.num_tokens), out.num_tokens)
             if result.stats is not None:
                 self.last_step_seconds = result.stats.seconds
             busy |= result.ran or bool(result.outputs)
