@@ -166,5 +166,13 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
             "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
 
 
+# Characters a model can emit that line readers split on besides \n and \r (Python's
+# str.splitlines, which httpx's iter_lines uses): left raw by ensure_ascii=False, they would
+# cut an event's JSON in two on the client. JSON structure is ASCII, so they only ever sit
+# inside strings, where their escapes mean the same.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _data(obj: dict) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+    """One SSE event: the JSON on a single line, UTF-8, whatever the text holds."""
+    return f"data: {json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n".encode()

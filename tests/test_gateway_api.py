@@ -132,3 +132,19 @@ def test_logprobs_in_openai_shapes(client):
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert all(len(top) <= 2 for top in lp.top_logprobs)
+
+
+@pytest.mark.parametrize("text", ["line\u2028separator", "next\x85line", "para\u2029graph", "é\n\r\t"])
+def test_an_sse_event_stays_one_line_whatever_the_text_holds(text):
+    """Text a model can emit with characters that httpx's iter_lines (str.splitlines) breaks
+    lines at, besides \\n and \\r: each event still reaches the client as one `data:` line
+    whose JSON gives the text back (a streamed completion broke on U+2028 before)."""
+    from httpx._decoders import LineDecoder
+
+    from gateway.responses import _data
+
+    event = _data({"choices": [{"index": 0, "text": text}]})
+    decoder = LineDecoder()
+    lines = [line for line in decoder.decode(event.decode()) + decoder.flush() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: "), lines
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
