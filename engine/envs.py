@@ -53,16 +53,7 @@ def fault_slow_factor() -> float:
     its measured duration, by sleeping the difference after it: a slower host, as far as
     the rest of the system can tell (3 makes a step that took 40 ms take 120 ms). Unset or
     1 in production."""
-    value = os.environ.get(FAULT_SLOW_FACTOR, "").strip()
-    if not value:
-        return 1.0
-    try:
-        factor = float(value)
-    except ValueError:
-        raise ValueError(f"{FAULT_SLOW_FACTOR}={value!r}: must be a number >= 1") from None
-    if not factor >= 1.0:
-        raise ValueError(f"{FAULT_SLOW_FACTOR}={value!r}: must be a number >= 1")
-    return factor
+    return _number(FAULT_SLOW_FACTOR, 1.0, 1.0, "a number >= 1")
 
 
 FAULT_STEP_FLOOR_S = "PDSERVE_FAULT_STEP_FLOOR_S"
@@ -74,13 +65,18 @@ def fault_step_floor_s() -> float:
     difference after it: steps longer than a deadline on any host, however fast (a factor
     would stretch a fast host's step less and a slow host's far more). Combines with
     PDSERVE_FAULT_SLOW_FACTOR (the longer of the two). Unset or 0 in production."""
-    value = os.environ.get(FAULT_STEP_FLOOR_S, "").strip()
+    return _number(FAULT_STEP_FLOOR_S, 0.0, 0.0, "a number of seconds >= 0")
+
+
+def _number(name: str, default: float, low: float, what: str) -> float:
+    """A finite float >= `low` from the variable `name`, `default` when unset or blank."""
+    value = os.environ.get(name, "").strip()
     if not value:
-        return 0.0
+        return default
     try:
-        floor = float(value)
+        number = float(value)
     except ValueError:
-        raise ValueError(f"{FAULT_STEP_FLOOR_S}={value!r}: must be a number of seconds >= 0") from None
-    if not 0.0 <= floor < float("inf"):
-        raise ValueError(f"{FAULT_STEP_FLOOR_S}={value!r}: must be a number of seconds >= 0")
-    return floor
+        raise ValueError(f"{name}={value!r}: must be {what}") from None
+    if not low <= number < float("inf"):
+        raise ValueError(f"{name}={value!r}: must be {what}")
+    return number
