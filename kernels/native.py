@@ -129,6 +129,14 @@ def open_library(path: Path) -> ctypes.CDLL:
     return lib
 
 
+def _qkv_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+    """The attention kernels' leading arguments: dtype code, q's pointer and token / head
+    strides, each cache's pointer and block / position / head strides."""
+    return (DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
+            k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2))
+
+
 def paged_decode_attention(
     lib: ctypes.CDLL,
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
@@ -155,9 +163,7 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     rc = lib.pdserve_paged_decode(
-        DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *_qkv_args(q, k_cache, v_cache),
         tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(), out.stride(0), out.stride(1),
         num_seqs, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, torch.get_num_threads(), int(dots))
     if rc != 0:
@@ -190,9 +196,7 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype)
     rc = lib.pdserve_paged_prefill(
-        DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1),
-        k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.data_ptr(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *_qkv_args(q, k_cache, v_cache),
         cu.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), out.data_ptr(), out.stride(0),
         out.stride(1), lens.shape[0], num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         torch.get_num_threads())

@@ -109,15 +109,16 @@ void tile_item(const T* q, int64_t q_st, int64_t q_sh, const T* k, int64_t k_sb,
       const simd::vec rp = simd::load(pos + rv * L);
       const simd::vec m_old = simd::load(m + rv * L);
       simd::vec m_new = m_old;
+      simd::mask ok[kMaxBlock];  // row sees key p0 + j
       for (int j = 0; j < n; ++j) {
-        const simd::mask ok = simd::ge(rp, simd::set1(static_cast<float>(p0 + j)));
-        s[j][rv] = simd::select(ok, s[j][rv], simd::set1(-INFINITY));
+        ok[j] = simd::ge(rp, simd::set1(static_cast<float>(p0 + j)));
+        s[j][rv] = simd::select(ok[j], s[j][rv], simd::set1(-INFINITY));
         m_new = simd::max(m_new, s[j][rv]);
       }
       simd::vec sum = simd::zero();
       for (int j = 0; j < n; ++j) {
         const simd::vec p = simd::exp_nonpositive(simd::sub(s[j][rv], m_new));
-        const simd::vec pm = simd::select(simd::ge(rp, simd::set1(static_cast<float>(p0 + j))), p, simd::zero());
+        const simd::vec pm = simd::select(ok[j], p, simd::zero());
         simd::store(pt + j * RP + rv * L, pm);
         sum = simd::add(sum, pm);
       }
@@ -162,12 +163,10 @@ void run(const T* q, int64_t q_st, int64_t q_sh, const T* k, int64_t k_sb, int64
          int64_t o_sh, int threads) {
   const int tile_tokens = RV * simd::LANES / G;
   // Items: (chunk, tile, KV head), the longest-context tiles first (dynamic schedule).
-  int64_t items = 0;
-  for (int s = 0; s < num_seqs; ++s)
-    items += static_cast<int64_t>((cu[s + 1] - cu[s] + tile_tokens - 1) / tile_tokens) * kv_heads;
-  std::vector<int64_t> start(num_seqs + 1, 0);
+  std::vector<int64_t> start(num_seqs + 1, 0);  // first item of each chunk
   for (int s = 0; s < num_seqs; ++s)
     start[s + 1] = start[s] + static_cast<int64_t>((cu[s + 1] - cu[s] + tile_tokens - 1) / tile_tokens) * kv_heads;
+  const int64_t items = start[num_seqs];
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int64_t w = 0; w < items; ++w) {
     const int s = static_cast<int>(std::upper_bound(start.begin(), start.end(), w) - start.begin() - 1);
