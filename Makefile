@@ -37,7 +37,7 @@ test: $(STAMP)
 # The chaos and deploy tests on a host made SLOW_FACTOR times slower: every engine step of
 # every worker stretched (PDSERVE_FAULT_SLOW_FACTOR). Slower answers and 429s, never 5xx.
 test-slow: $(STAMP)
-	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py"
+	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py tests/test_deploy_security.py"
 
 bench: $(STAMP)
 	$(PY) -m bench.offline
