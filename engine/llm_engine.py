@@ -24,6 +24,7 @@ from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
+from engine.step_buffers import StepLimits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
@@ -109,7 +110,10 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         eos = frozenset(config.model.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
-        self.runner = ModelRunner(model, self.kv_cache, config.device)
+        sched = config.scheduler
+        limits = StepLimits(sched.max_num_batched_tokens, sched.max_num_seqs,
+                            -(-sched.max_model_len // config.cache.block_size))
+        self.runner = ModelRunner(model, self.kv_cache, config.device, limits)
         self.model = model
         self._probe_block = num_blocks
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",

@@ -11,6 +11,7 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from engine.scheduler import SchedulerOutput
+from engine.step_buffers import StepBuffers, StepLimits
 
 
 @dataclass
@@ -20,12 +21,15 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str = "cpu"):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: str = "cpu", limits: StepLimits | None = None):
+        """`limits`: the scheduler's bounds, to size the step buffers once (default: grown
+        to the first steps' sizes)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
         self.sampler = Sampler()
+        self.buffers = StepBuffers(limits or StepLimits(max_tokens=256, max_seqs=16, max_blocks=64), self.block_size)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -58,18 +62,6 @@ class ModelRunner:
         slot_blocks = [c.block_table[c.start // bs] for c in decodes]
         sample_rows = [i for i, c in enumerate(decodes) if c.sample]
         sampled = [c for c in decodes if c.sample]
-        groups = []
-        # Gathering ops pay for padding: decodes go in groups of similar length. One that reads
-        # the blocks in place reads each context's own length: one group.
-        in_place = getattr(self.model.ops, "DECODE_IN_PLACE", False)
-        runs = [(0, len(decodes))] if in_place and decodes else group_by_length([c.context_len for c in decodes])
-        for i, j in runs:
-            width = max(len(c.block_table) for c in decodes[i:j])
-            tables = torch.tensor([c.block_table + [0] * (width - len(c.block_table)) for c in decodes[i:j]],
-                                  dtype=torch.int64)
-            lens = torch.tensor([c.context_len for c in decodes[i:j]], dtype=torch.int64)
-            mask = None if in_place else build_decode_mask(lens, width * bs).to(self.device)
-            groups.append(DecodeGroup(i, j, tables.to(self.device), lens.to(self.device), mask))
         spans = []
         offset = len(decodes)
         for c in prefills:
@@ -83,12 +75,23 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(offset - 1)
                 sampled.append(c)
-        pos_t = torch.tensor(positions, dtype=torch.int64)
+        step = self.buffers.fill(ids, positions, slot_blocks, [c.block_table for c in decodes],
+                                 [c.context_len for c in decodes])
+        groups = []
+        # Gathering ops pay for padding: decodes go in groups of similar length. One that reads
+        # the blocks in place reads each context's own length: one group.
+        in_place = getattr(self.model.ops, "DECODE_IN_PLACE", False)
+        runs = [(0, len(decodes))] if in_place and decodes else group_by_length([c.context_len for c in decodes])
+        for i, j in runs:
+            width = max(len(c.block_table) for c in decodes[i:j])
+            tables, lens = step.decode_block_tables[i:j, :width], step.decode_context_lens[i:j]
+            mask = None if in_place else build_decode_mask(lens, width * bs).to(self.device)
+            groups.append(DecodeGroup(i, j, tables.to(self.device), lens.to(self.device), mask))
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.int64, device=self.device),
-            slot_offsets=(pos_t % bs).to(self.device),
+            slot_blocks=step.slot_blocks.to(self.device),
+            slot_offsets=step.slot_offsets.to(self.device),
             decodes=groups,
             prefills=spans,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        return input_ids, pos_t.to(self.device), meta, torch.tensor(sample_rows, dtype=torch.int64), sampled
+        return (step.input_ids.to(self.device), step.positions.to(self.device), meta,
+                torch.tensor(sample_rows, dtype=torch.int64), sampled)
