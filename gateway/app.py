@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.tokenizer import ChatTemplateError, Tokenizer
+from gateway import scrape
 from gateway.admin_listener import AdminOnLoopback
 from gateway.admission import Admission
 from gateway.backend import Backend
@@ -95,7 +96,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         await readiness.observe()
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        workers = await readiness.worker_metrics()
+        return Response(scrape.merge(generate_latest(), workers), media_type=CONTENT_TYPE_LATEST)
 
     def _check_admin(authorization: str | None) -> None:
         token = (authorization or "").removeprefix("Bearer ").strip()

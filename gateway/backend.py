@@ -82,6 +82,18 @@ class Backend:
         except grpc.RpcError:
             return None
 
+    async def metrics(self, address: str, timeout: float = 2.0) -> pb.MetricsResponse | None:
+        """The worker process's Prometheus registry; None if it does not answer in `timeout`."""
+        try:
+            return await self._stub(address).Metrics(pb.MetricsRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+
+    async def all_metrics(self) -> list[pb.MetricsResponse]:
+        """Every answering worker's registry (for the one scrape: gateway/scrape.py)."""
+        results = await asyncio.gather(*(self.metrics(a) for a in self.decode + self.prefill))
+        return [r for r in results if r is not None]
+
     async def all_stats(self) -> dict[str, pb.StatsResponse | None]:
         addresses = self.decode + self.prefill
         results = await asyncio.gather(*(self.stats(a) for a in addresses))

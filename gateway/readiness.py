@@ -41,6 +41,10 @@ class Readiness:
         """Stats only (counters, no forward pass): routing's headroom and the gauges."""
         self._observe_stats(await self._shared("stats", self.backend.all_stats))
 
+    async def worker_metrics(self) -> list[pb.MetricsResponse]:
+        """Every answering worker's registry; concurrent scrapes share one round of calls."""
+        return await self._shared("metrics", self.backend.all_metrics)
+
     async def loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)

@@ -283,6 +283,11 @@ class WorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/pdserve.v1.Worker/Metrics',
+                request_serializer=rpc_dot_pdserve__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.MetricsResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -310,6 +315,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Metrics(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -327,6 +338,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=rpc_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=rpc_dot_pdserve__pb2.MetricsRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.MetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -414,6 +430,33 @@ class Worker:
             '/pdserve.v1.Worker/Stats',
             rpc_dot_pdserve__pb2.StatsRequest.SerializeToString,
             rpc_dot_pdserve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Metrics',
+            rpc_dot_pdserve__pb2.MetricsRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.MetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,6 +11,7 @@ import json
 import httpx
 import pytest
 from openai import BadRequestError, NotFoundError
+from prometheus_client.parser import text_string_to_metric_families
 
 from rpc import pdserve_pb2 as pb
 from tests.gateway_procs import CHAT, FLOOD_LIMITS
@@ -62,6 +63,44 @@ def test_metrics_cover_the_gateway_and_every_worker(system, client):
         total = [line for line in text.splitlines() if line.startswith(f'pdserve_worker_kv_blocks_total{{worker="{name}"}}')]
         assert total and float(total[0].split()[-1]) == w.stats().total_blocks, (name, total)
     assert "pdserve_worker_kv_blocks_transferred" in text
+
+
+def _scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics as {(sample name, labels): value}, through Prometheus' own text parser."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s series that carry `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def test_one_scrape_shows_every_workers_step_and_transfer_metrics_and_they_move(system, client):
+    """The gateway's /metrics is the whole system's: each worker's engine steps and the
+    prefill worker's KV pushes, labelled by worker incarnation and role, grow with a
+    disaggregated request."""
+    url, prefill, decode = system
+    names = {role: w.stats().worker for role, w in (("prefill", prefill), ("decode", decode))}
+    before = _scrape(url)
+    client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=8, temperature=0)
+    after = _scrape(url)
+    for role, name in names.items():
+        steps = [_total(s, "pdserve_engine_step_seconds_count", worker=name, role=role) for s in (before, after)]
+        assert steps[1] > steps[0], (role, steps)
+        tokens = [_total(s, "pdserve_engine_step_tokens_sum", worker=name) for s in (before, after)]
+        assert tokens[1] > tokens[0], (role, tokens)
+    pushed = [_total(s, "pdserve_kv_transfer_bytes_total", worker=names["prefill"], peer_role="decode")
+              for s in (before, after)]
+    assert pushed[1] > pushed[0], pushed
+    seconds = [_total(s, "pdserve_kv_transfer_seconds_count", worker=names["prefill"]) for s in (before, after)]
+    assert seconds[1] > seconds[0], seconds
+    decode_kinds = {dict(ls).get("kind") for (n, ls), v in after.items()
+                    if n == "pdserve_engine_step_seconds_count" and ("worker", names["decode"]) in ls and v > 0}
+    assert "decode" in decode_kinds, decode_kinds
+    assert ("process_cpu_seconds_total", frozenset({("worker", names["decode"]), ("role", "decode")})) in after
 
 
 def test_chat_non_streaming_and_streaming_agree(client):

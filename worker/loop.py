@@ -24,6 +24,7 @@ from typing import Any
 from engine import envs
 from engine.llm_engine import LLMEngine, StepResult
 from engine.scheduler import SchedulerOutput
+from worker import metrics
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -294,6 +295,7 @@ class EngineLoop:
             self.liveness.stepped(self._stretch(t0, out.num_tokens), out.num_tokens)
             if result.stats is not None:
                 self.last_step_seconds = result.stats.seconds
+            metrics.observe_step(out, result.stats)
             busy |= result.ran or bool(result.outputs)
             self.on_step(result)
         return busy

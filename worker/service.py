@@ -1,9 +1,11 @@
-"""The `Worker` gRPC service both roles answer the same way: TransferInfo, Health, Stats.
+"""The `Worker` gRPC service both roles answer the same way: TransferInfo, Health, Stats,
+Metrics.
 Registered by worker/process.py next to the role's own service, on the same port."""
 
 from __future__ import annotations
 
 import grpc
+from prometheus_client import REGISTRY, generate_latest
 
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -38,3 +40,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         w = self.worker
         return stats_to_pb(w.name, w.engine.stats(), w.last_step_seconds, w.kv_blocks_transferred,
                            w.liveness.prefill_tokens_per_s, w.num_probes)
+
+    def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsResponse:
+        name = self.worker.name
+        return pb.MetricsResponse(worker=name, role=name.split("-", 1)[0], exposition=generate_latest(REGISTRY))
