@@ -34,6 +34,7 @@ from gateway.errors import APIError, api_error_handler, http_error_handler, vali
 from gateway.metrics import REQUESTS
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
 from gateway.readiness import Readiness
+from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.router import Router
 from gateway.tenants import Tenants
@@ -83,6 +84,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
                        body_timeout_s=config.body_timeout_s)
     if config.admin_token:  # outermost: /admin/* on the loopback admin socket only
         app.add_middleware(AdminOnLoopback, admin_port=config.admin_port if config.admin_port is not None else -1)
+    app.add_middleware(RequestId)  # outermost: every answer names its request
 
     @app.get("/health")
     async def health() -> dict:

@@ -30,6 +30,7 @@ from gateway.client_gone import ClientGone, unless_gone
 from gateway.errors import APIError
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
+from gateway.request_id import client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
 from gateway.tenants import Tenant
 from rpc import pdserve_pb2 as pb
@@ -127,6 +128,9 @@ class RequestPath:
                                  kv_capacity=router.kv_capacity(), max_output_tokens=config.max_output_tokens,
                                  vocab_size=self.tokenizer.vocab_size)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        set_request_id(request, rid)
+        if (client_id := client_request_id(request)) is not None:
+            log.info("request %s: X-Request-Id %s", rid, client_id)
         salt = tenant.cache_salt(body.cache_salt)
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
                                  prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)

@@ -120,6 +120,32 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert finish == "stop" and usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_every_answer_names_its_request_in_x_request_id(system, client):
+    """The client's X-Request-Id comes back on the answer, streamed or not, errors too; with
+    none, the header is the completion's own id; a malformed one is a 400 naming it."""
+    url = system[0]
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2", messages=CHAT, max_tokens=2, temperature=0, extra_headers={"X-Request-Id": "trace-7f3a:1"})
+    assert raw.headers["x-request-id"] == "trace-7f3a:1"
+    raw = client.chat.completions.with_raw_response.create(model="smollm2", messages=CHAT, max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id and raw.parse().id.startswith("chatcmpl-")
+    with client.completions.with_streaming_response.create(
+            model="smollm2", prompt="Hello", max_tokens=2, stream=True, extra_headers={"X-Request-Id": "s-1"}) as r:
+        assert r.headers["x-request-id"] == "s-1"
+        assert any(line.startswith("data:") for line in r.iter_lines())
+    missing = httpx.post(f"{url}/v1/chat/completions", json={"model": "nope", "messages": CHAT},
+                         headers={"X-Request-Id": "e-1"}, timeout=30)
+    assert missing.status_code == 404 and missing.headers["x-request-id"] == "e-1"
+    for bad in ("has space", "x" * 129, "caf\u00e9"):
+        answer = httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": CHAT},
+                            headers=[("X-Request-Id", bad.encode("utf-8"))], timeout=30)
+        assert answer.status_code == 400, (bad, answer.text)
+        assert answer.json()["error"]["param"] == "X-Request-Id" and answer.headers["x-request-id"] != bad
+    twice = httpx.post(f"{url}/v1/chat/completions", json={"model": "smollm2", "messages": CHAT},
+                       headers=[("X-Request-Id", "a"), ("X-Request-Id", "b")], timeout=30)
+    assert twice.status_code == 400, twice.text
+
+
 def test_completion_stop_string_ends_the_text(client):
     free = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=24, temperature=0)
     text = free.choices[0].text
