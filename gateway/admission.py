@@ -115,7 +115,8 @@ class Admission:
     def admit(self, prompt_tokens: int, kv_room: bool = True) -> Ticket:
         if not kv_room:
             raise APIError(429, f"overloaded: no decode worker has KV cache room for {prompt_tokens} prompt tokens "
-                                "now; retry later", code="overloaded", headers={"Retry-After": "1"})
+                                "now; retry later", code="overloaded", headers={"Retry-After": "1"},
+                           reason="kv_headroom")
         self._shed_if_late()
         ticket = Ticket(prompt_tokens, self._tick())
         self._admitted = (self._admitted[0] + 1, self._admitted[1] + prompt_tokens)
@@ -130,7 +131,7 @@ class Admission:
                 wait = max(1, math.ceil(predicted - self.headroom * self.max_ttft_s))
                 raise APIError(429, f"overloaded: predicted time to first token {predicted:.1f}s is too close to "
                                     f"the {self.max_ttft_s:.1f}s bound; retry later", code="overloaded",
-                               headers={"Retry-After": str(wait)})
+                               headers={"Retry-After": str(wait)}, reason="predicted_ttft")
 
     def first_token(self, ticket: Ticket, served: bool = True) -> None:
         """The request got its first token (`served`), or failed before one: it waits no more.

@@ -13,6 +13,8 @@ TTFT = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=(.05, .1
 E2E = Histogram("pdserve_e2e_seconds", "Request latency", buckets=(.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120))
 TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first",
                  buckets=(.01, .025, .05, .1, .2, .3, .5, 1, 2))
+REJECTIONS = Counter("pdserve_rejections", "Requests refused with 429, by reason: tenant_concurrency, tenant_tokens, "
+                     "kv_headroom, predicted_ttft, worker_queue_full", ["reason"])
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
 WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {

@@ -214,7 +214,8 @@ class RequestPath:
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise APIError(400, e.details()) from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"}) from None
+                raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"},
+                               reason="worker_queue_full") from None
             raise WorkerUnavailable(503, f"decode worker unavailable ({code.name})") from None
         if first is grpc.aio.EOF:
             raise WorkerUnavailable(503, "decode worker closed the stream")

@@ -29,13 +29,13 @@ class Tenant:
     def check_concurrency(self) -> None:
         if self.in_flight >= self.max_concurrent:
             raise APIError(429, f"tenant {self.name}: {self.max_concurrent} concurrent requests is the limit",
-                           code="tenant_concurrency_limit", headers={"Retry-After": "1"})
+                           code="tenant_concurrency_limit", headers={"Retry-After": "1"}, reason="tenant_concurrency")
 
     def admit(self, tokens: int) -> None:
         self.check_concurrency()
         if self.queued_tokens + tokens > self.max_queued_tokens:
             raise APIError(429, f"tenant {self.name}: {self.max_queued_tokens} tokens in flight is the limit",
-                           code="tenant_token_limit", headers={"Retry-After": "1"})
+                           code="tenant_token_limit", headers={"Retry-After": "1"}, reason="tenant_tokens")
         self.in_flight += 1
         self.queued_tokens += tokens
 

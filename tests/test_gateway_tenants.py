@@ -102,6 +102,9 @@ def test_api_keys_and_tenant_isolation(tenant_gateway):
         again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30,
                            headers={"authorization": "Bearer key-a"})
         assert again.status_code == 429 and again.headers["retry-after"] == "1"
+        refused = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
+                   if line.startswith('pdserve_rejections_total{reason="tenant_concurrency"}')]
+        assert refused and float(refused[0].split()[-1]) >= 1, refused
         other = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
                            headers={"authorization": "Bearer key-b"})
         assert other.status_code == 200  # tenant b is not held back by a
