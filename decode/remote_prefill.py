@@ -115,8 +115,13 @@ class KVReady:
 
 @dataclass(frozen=True)
 class PrefillHere:
+    """The request is prefilled on this worker after all. `cause` (a metric label): the
+    Prefill could not be sent (`send_failed`), every offered worker failed
+    (`workers_exhausted`), or its time ran out (`deadline`); `reasons` says what each try met."""
+
     request_id: str
     reasons: list[str]
+    cause: str = "workers_exhausted"
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,7 @@ class RemotePrefills:
                 if state.rpc is None:  # nothing went out: nobody can be writing its blocks
                     del self.states[state.request_id]
                     self.receiver.forget(state.transfer_id)
-                    self._events.append(PrefillHere(state.request_id, [f"{type(e).__name__}: {e}"]))
+                    self._events.append(PrefillHere(state.request_id, [f"{type(e).__name__}: {e}"], "send_failed"))
                 else:
                     self._attempt_failed(state, f"{type(e).__name__}: {e}")
         return self._take_events()
@@ -396,8 +401,9 @@ class RemotePrefills:
             self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority, seq.cache_salt)
             return
         del self.states[rid]
+        cause = "deadline" if time.monotonic() >= state.deadline else "workers_exhausted"
         log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))
-        self._events.append(PrefillHere(rid, list(state.failures)))
+        self._events.append(PrefillHere(rid, list(state.failures), cause))
 
     def _channel(self, address: str) -> tuple[grpc.Channel, pb_grpc.PrefillWorkerStub]:
         with self._channels_lock:

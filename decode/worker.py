@@ -16,6 +16,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from decode import metrics
 from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
                                    RemotePrefills)
 from engine.llm_engine import LLMEngine, StepResult
@@ -83,6 +84,7 @@ class DecodeWorker(EngineLoop):
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget))
+        metrics.PREFILLS.labels("remote" if remote else "local").inc()
         log.info("request %s: admitted, %d prompt tokens (%d uncached), %s prefill", request_id, len(prompt),
                  uncached, "remote" if remote else "local")
 
@@ -162,12 +164,14 @@ class DecodeWorker(EngineLoop):
                     self._deliver(ev.request_id, update.new_token_ids, update.finish_reason, lps,
                                   ev.num_cached_tokens)
             elif isinstance(ev, PrefillHere):
+                metrics.FALLBACKS.labels(ev.cause).inc()
                 self.engine.remote_kv_failed(ev.request_id)
             elif isinstance(ev, Released):
                 self.engine.release(ev.request_id)
             elif isinstance(ev, Quarantined):
                 self.engine.quarantine(ev.request_id, ev.quarantine_id)
                 if not ev.cancelled:
+                    metrics.FALLBACKS.labels("abort_unconfirmed").inc()
                     self.engine.remote_kv_failed(ev.request_id)
 
     # -- streams --------------------------------------------------------------------------

@@ -97,6 +97,8 @@ def test_one_scrape_shows_every_workers_step_and_transfer_metrics_and_they_move(
     assert pushed[1] > pushed[0], pushed
     seconds = [_total(s, "pdserve_kv_transfer_seconds_count", worker=names["prefill"]) for s in (before, after)]
     assert seconds[1] > seconds[0], seconds
+    remote = [_total(s, "pdserve_prefills_total", worker=names["decode"], where="remote") for s in (before, after)]
+    assert remote[1] == remote[0] + 1, remote
     decode_kinds = {dict(ls).get("kind") for (n, ls), v in after.items()
                     if n == "pdserve_engine_step_seconds_count" and ("worker", names["decode"]) in ls and v > 0}
     assert "decode" in decode_kinds, decode_kinds

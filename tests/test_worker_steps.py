@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import REGISTRY
 
 import prefill.worker as prefill_worker
 from decode.remote_prefill import Phase
@@ -134,6 +135,11 @@ def test_a_push_that_fails_mid_prompt_stops_the_prefill_and_frees_its_blocks(mod
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
 
 
+def _sample(name: str, **labels: str) -> float:
+    """A counter of this process's registry (the decode worker's metrics, decode/metrics.py)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other(model):
     """Two remote prefills reserved in one step; sending the first raises. It is prefilled
     locally at once, the second still goes out, and nothing waits with reserved blocks."""
@@ -141,6 +147,8 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
     worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
     out: queue.SimpleQueue = queue.SimpleQueue()
     params = SamplingParams(temperature=0, max_tokens=4)
+    counted = {"remote": _sample("pdserve_prefills_total", where="remote"),
+               "send_failed": _sample("pdserve_prefill_fallbacks_total", cause="send_failed")}
     worker.add("a", list(range(3, 43)), params, 0, ["127.0.0.1:1"], out, 5.0)
     worker.add("b", list(range(50, 90)), params, 0, ["127.0.0.1:1"], out, 5.0)
     send = worker.remote._send_prefill
@@ -154,6 +162,8 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
     worker.step()  # reserves both; the hook sends them
     assert "a" not in worker.remote and "a" not in engine.scheduler.awaiting_kv  # back to local prefill
     assert worker.remote["b"].rpc is not None
+    assert _sample("pdserve_prefills_total", where="remote") == counted["remote"] + 2
+    assert _sample("pdserve_prefill_fallbacks_total", cause="send_failed") == counted["send_failed"] + 1
     worker.cancel("b")
     while engine.has_unfinished():  # "a" is prefilled and decoded here
         worker.step()
