@@ -9,6 +9,7 @@ bounded, and `WorkerProc.stop` (terminate, then kill) always ends the process.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -90,9 +91,15 @@ class WorkerProc:
                 self.proc.wait(10)
 
 
+_WORKER_IDS = itertools.count()  # every worker of a test session in a slot of its own
+
 def _launch(role: str, model: Path, log_dir: Path, name: str, args: list[str], env: dict[str, str]) -> WorkerProc:
     log_path = log_dir / f"{name}.log"
     cmd = [sys.executable, "-m", role, "--model", str(model), "--port", "0", "--threads", "1", *args]
+    if "--worker-id" not in args:
+        # Its own slot: a worker with another's id is that worker's newer incarnation to the
+        # prefill workers it meets (which then refuse the older one), as in a deployment.
+        cmd += ["--worker-id", str(next(_WORKER_IDS))]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "wb") as log:  # a file, not a pipe: a chatty worker never blocks on it
         proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
