@@ -7,6 +7,7 @@ import logging
 from decode.remote_prefill import DEFAULT_ABORT_BOUND_S
 from decode.service import DecodeService
 from decode.worker import DecodeWorker
+from engine import trace
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.process import build_agent, build_engine, serve, worker_arguments
 
@@ -24,6 +25,7 @@ def main() -> None:
     engine, model = build_engine(args)
     agent = build_agent("decode", args, engine, model)
     name = agent.name if agent is not None else f"decode-{args.worker_id}"
+    trace.set_process("decode", name)
     worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout,
                           stall_floor_s=args.stall_timeout, abort_bound_s=args.abort_bound)
     serve(worker, lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server),

@@ -10,3 +10,7 @@ PREFILLS = Counter("pdserve_prefills", "Requests admitted, by where their prompt
                    ["where"])
 FALLBACKS = Counter("pdserve_prefill_fallbacks", "Remote prefills that ended prefilled here, by cause: "
                     "send_failed, workers_exhausted, deadline, abort_unconfirmed", ["cause"])
+for _where in ("remote", "local"):  # every series present (at 0) from the start, as a dashboard expects
+    PREFILLS.labels(_where)
+for _cause in ("send_failed", "workers_exhausted", "deadline", "abort_unconfirmed"):
+    FALLBACKS.labels(_cause)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine import trace
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RemotePrefill
 from rpc import auth
@@ -111,6 +112,7 @@ class KVReady:
     timings: pb.Timings | None
     num_blocks: int
     num_cached_tokens: int
+    worker: str = ""  # the prefill worker that filled them
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,7 @@ class RemotePrefills:
                 continue  # an earlier attempt's (expect() only matches the current one: belt and braces)
             if ev.status is ReceiveStatus.COMPLETE:
                 state.kv_complete = True
+                trace.event(state.request_id, "kv_notified", attempt=state.attempt + 1)
             else:
                 self._attempt_failed(state, f"KV {ev.status.value}")
         for state in list(self.states.values()):
@@ -289,6 +292,8 @@ class RemotePrefills:
         state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
         state.rpc = self._stub(state.worker).Prefill.future(req, timeout=timeout)
         self.receiver.expect(state.transfer_id, timeout_s=timeout + 1.0)
+        trace.event(state.request_id, "prefill_sent", prefill_worker=state.worker, attempt=state.attempt + 1,
+                    blocks=len(state.destination_blocks), cached_tokens=state.num_cached_tokens)
         log.info("request %s: prefill on %s (attempt %d), %d blocks to fill", state.request_id, state.worker,
                  state.attempt + 1, len(state.destination_blocks))
 
@@ -315,12 +320,13 @@ class RemotePrefills:
             state.first_token = resp.first_token_id
             state.first_logprobs = logprobs_from_pb(resp.first_logprobs) if resp.HasField("first_logprobs") else None
             state.prefill_timings = resp.timings
+            trace.event(state.request_id, "prefill_replied", attempt=state.attempt + 1)
         if state.kv_complete and state.first_token is not None:
             state.phase = Phase.DONE
             del self.states[state.request_id]
             self._events.append(KVReady(state.request_id, state.first_token, state.first_logprobs,
                                         state.prefill_timings, len(state.destination_blocks),
-                                        state.num_cached_tokens))
+                                        state.num_cached_tokens, state.worker))
 
     def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False) -> None:
         log.info("request %s: prefill on %s failed: %s", state.request_id, state.worker, reason)

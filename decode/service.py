@@ -9,6 +9,7 @@ import uuid
 import grpc
 
 from decode.worker import DecodeWorker
+from engine import trace
 from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -27,6 +28,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
+        trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids))
         try:
             params = params_from_pb(request.params)
         except ValueError as e:

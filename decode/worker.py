@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from decode import metrics
+from engine import trace
 from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
                                    RemotePrefills)
 from engine.llm_engine import LLMEngine, StepResult
@@ -27,6 +28,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import finish_to_pb, logprobs_to_pb
 from transfer import TransferAgent
 from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker import metrics as worker_metrics
 from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class _Stream:
     prompt_len: int
     params: SamplingParams
     arrived: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # its first step: its blocks reserved or its first chunk run
     first_token_at: float | None = None
     num_tokens: int = 0
     cached_tokens: int = 0
@@ -85,6 +88,7 @@ class DecodeWorker(EngineLoop):
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget))
         metrics.PREFILLS.labels("remote" if remote else "local").inc()
+        trace.event(request_id, "admitted", prefill="remote" if remote else "local", uncached_tokens=uncached)
         log.info("request %s: admitted, %d prompt tokens (%d uncached), %s prefill", request_id, len(prompt),
                  uncached, "remote" if remote else "local")
 
@@ -107,6 +111,7 @@ class DecodeWorker(EngineLoop):
         if self.remote is not None:
             self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
         self._close(request_id, pb.GenerateResponse(finish_reason=pb.ABORT))
+        trace.event(request_id, "cancelled")
         log.info("request %s: cancelled", request_id)
 
     def fail_all(self, reason: str) -> None:
@@ -132,6 +137,14 @@ class DecodeWorker(EngineLoop):
     def on_scheduled(self, out: SchedulerOutput) -> None:
         """A Prefill goes out in the step that reserved its blocks, before that step's forward
         pass, not after it."""
+        now = time.monotonic()
+        for seq in [rp.seq for rp in out.remote_prefills] + [c.seq for c in out.chunks]:
+            stream = self.streams.get(seq.request_id)
+            if stream is not None and stream.scheduled_at is None:
+                stream.scheduled_at = now
+                worker_metrics.observe_first_step(len(seq.prompt_token_ids), seq.num_cached_tokens,
+                                                  now - stream.arrived)
+                trace.event(seq.request_id, "scheduled", cached_tokens=seq.num_cached_tokens)
         if out.remote_prefills:
             for rp in out.remote_prefills:
                 stream = self.streams.get(rp.seq.request_id)
@@ -158,6 +171,10 @@ class DecodeWorker(EngineLoop):
                 stream = self.streams.get(ev.request_id)
                 if stream is not None:
                     stream.prefill_timings = ev.timings
+                t = ev.timings
+                trace.event(ev.request_id, "kv_ready", blocks=ev.num_blocks, prefill_worker=ev.worker,
+                            prefill_queue_s=t.queue_s if t else None, prefill_compute_s=t.prefill_s if t else None,
+                            prefill_push_s=t.transfer_s if t else None)
                 update = self.engine.remote_kv_ready(ev.request_id, ev.first_token)
                 if update is not None:
                     lps = [ev.first_logprobs] if ev.first_logprobs is not None else None
@@ -165,6 +182,7 @@ class DecodeWorker(EngineLoop):
                                   ev.num_cached_tokens)
             elif isinstance(ev, PrefillHere):
                 metrics.FALLBACKS.labels(ev.cause).inc()
+                trace.event(ev.request_id, "local_prefill", cause=ev.cause)
                 self.engine.remote_kv_failed(ev.request_id)
             elif isinstance(ev, Released):
                 self.engine.release(ev.request_id)
@@ -172,6 +190,7 @@ class DecodeWorker(EngineLoop):
                 self.engine.quarantine(ev.request_id, ev.quarantine_id)
                 if not ev.cancelled:
                     metrics.FALLBACKS.labels("abort_unconfirmed").inc()
+                    trace.event(ev.request_id, "local_prefill", cause="abort_unconfirmed")
                     self.engine.remote_kv_failed(ev.request_id)
 
     # -- streams --------------------------------------------------------------------------
@@ -184,6 +203,7 @@ class DecodeWorker(EngineLoop):
         now = time.monotonic()
         if stream.first_token_at is None and token_ids:
             stream.first_token_at = now
+            trace.event(request_id, "first_token")
         stream.num_tokens += len(token_ids)
         msg = pb.GenerateResponse(token_ids=token_ids, finish_reason=finish_to_pb(reason))
         if logprobs:
@@ -202,6 +222,7 @@ class DecodeWorker(EngineLoop):
         stream.out.put(msg)
         if reason is not None:
             del self.streams[request_id]
+            trace.event(request_id, "finished", reason=reason.value, completion_tokens=stream.num_tokens)
 
     def _close(self, request_id: str, msg: pb.GenerateResponse) -> None:
         stream = self.streams.pop(request_id, None)

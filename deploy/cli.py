@@ -1,5 +1,5 @@
 """The `pdserve` command: serve, scale, status (the deployment), profile and tune (the
-planner), chat (offline)."""
+planner), trace (one request's timeline), chat (offline)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.serving import main as bench_main
 
         return bench_main(argv[1:])
-    from deploy import profile, tune
+    from deploy import profile, trace, tune
     from deploy.serve import add_commands
     from engine.cli import add_chat_command
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     add_commands(sub)
     profile.add_command(sub)
     tune.add_command(sub)
+    trace.add_command(sub)
     add_chat_command(sub)
     sub.add_parser("bench", add_help=False, help="serving benchmark: latency, SLO attainment, goodput")
     args = parser.parse_args(argv)

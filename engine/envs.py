@@ -18,6 +18,29 @@ def log_dir() -> Path:
     return Path(value) if value else cache_dir() / "logs"
 
 
+def trace_enabled() -> bool:
+    """PDSERVE_TRACE: every process on a request's path logs its events (engine/trace.py);
+    0 / off / false turns them off (default on)."""
+    return _flag("PDSERVE_TRACE", True)
+
+
+def step_metrics_enabled() -> bool:
+    """PDSERVE_STEP_METRICS: workers observe each engine step in their metrics (duration,
+    tokens, sequences by kind; worker/metrics.py); 0 / off / false turns that off (default on)."""
+    return _flag("PDSERVE_STEP_METRICS", True)
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{name}={value!r}: must be 1/on/true or 0/off/false")
+
+
 FAULT_STALL_FILE = "PDSERVE_FAULT_STALL_FILE"
 
 

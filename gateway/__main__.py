@@ -15,10 +15,12 @@ import sys
 
 import uvicorn
 
+from engine import trace
 from engine.model_source import resolve_model
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.metrics import SLO
 from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.tenants import Tenants
 from rpc.auth import is_loopback
@@ -38,6 +40,9 @@ def main() -> None:
     ap.add_argument("--max-ttft", type=float, default=60.0,
                     help="the TTFT bound (seconds): answer 429 at once when the predicted time to first token "
                          "passes 75%% of it")
+    ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s,
+                    help="seconds: a finished request meets the SLO (pdserve_slo_requests_total) within this TTFT ...")
+    ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="... and this time per output token")
     ap.add_argument("--max-output-tokens", type=int, default=None,
                     help="cap on a request's max_tokens, and its default (default: the context limit)")
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
@@ -62,6 +67,10 @@ def main() -> None:
     if not args.decode and not admin_token:
         ap.error("--decode is required (or PDSERVE_ADMIN_TOKEN, for membership pushed by the deploy controller)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    trace.set_process("gateway", f"{args.host}:{args.port}")
+    if not (args.slo_ttft > 0 and args.slo_tpot > 0):
+        ap.error("--slo-ttft and --slo-tpot must be > 0")
+    SLO.ttft_s, SLO.tpot_s = args.slo_ttft, args.slo_tpot
     path = resolve_model(args.model)
     name = args.served_name or (args.model if "/" not in args.model else path.name)
     # config.json directly: the gateway never imports torch (engine.config does)

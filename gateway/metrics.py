@@ -4,6 +4,8 @@ from its Stats."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from rpc import pdserve_pb2 as pb
@@ -15,8 +17,28 @@ TPOT = Histogram("pdserve_tpot_seconds", "Time per output token after the first"
                  buckets=(.01, .025, .05, .1, .2, .3, .5, 1, 2))
 REJECTIONS = Counter("pdserve_rejections", "Requests refused with 429, by reason: tenant_concurrency, tenant_tokens, "
                      "kv_headroom, predicted_ttft, worker_queue_full", ["reason"])
+for _reason in ("tenant_concurrency", "tenant_tokens", "kv_headroom", "predicted_ttft", "worker_queue_full"):
+    REJECTIONS.labels(_reason)  # every series present (at 0) from the start, as a dashboard expects
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
+SLO_REQUESTS = Counter("pdserve_slo_requests", "Finished requests by whether they met the SLO (TTFT and TPOT both "
+                       "within --slo-ttft / --slo-tpot): the rate of met=\"yes\" is the goodput", ["met"])
+
+
+@dataclass
+class Slo:
+    """The latency objective a finished request is counted against (the planner's, under `pdserve serve`)."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.2
+
+    def met(self, ttft_s: float, tpot_s: float | None) -> bool:
+        return ttft_s <= self.ttft_s and (tpot_s is None or tpot_s <= self.tpot_s)
+
+
+SLO = Slo()
+for _met in ("yes", "no"):
+    SLO_REQUESTS.labels(_met)
 WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
     "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",

@@ -12,6 +12,7 @@ stays the gateway's own (ids must be unique there, a client's need not be).
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 from fastapi.responses import JSONResponse
@@ -26,6 +27,11 @@ _VALID = re.compile(rb"[\x21-\x7e]{1,%d}" % MAX_LEN)
 def client_request_id(request) -> str | None:
     """The client's X-Request-Id of a Starlette request (validated by the middleware), or None."""
     return request.scope.get("state", {}).get("client_request_id")
+
+
+def arrived_at(request) -> float:
+    """When the request reached the gateway (time.monotonic(), set by the middleware)."""
+    return request.scope.get("state", {}).get("arrived", time.monotonic())
 
 
 def set_request_id(request, request_id: str) -> None:
@@ -43,6 +49,7 @@ class RequestId:
             return
         given = [v for k, v in scope.get("headers") or () if k == HEADER]
         state = scope.setdefault("state", {})
+        state["arrived"] = time.monotonic()  # the request's first moment here, for its trace
         if given:
             if len(given) > 1 or not _VALID.fullmatch(given[0]):
                 body = error_body(400, f"X-Request-Id must be one value of 1 to {MAX_LEN} printable ASCII "

@@ -22,6 +22,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine import trace
 from engine.tokenizer import Tokenizer
 from gateway import responses
 from gateway.admission import Admission, Ticket
@@ -30,7 +31,7 @@ from gateway.client_gone import ClientGone, unless_gone
 from gateway.errors import APIError
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
-from gateway.request_id import client_request_id, set_request_id
+from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
 from gateway.tenants import Tenant
 from rpc import pdserve_pb2 as pb
@@ -129,8 +130,11 @@ class RequestPath:
                                  vocab_size=self.tokenizer.vocab_size)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         set_request_id(request, rid)
-        if (client_id := client_request_id(request)) is not None:
+        client_id = client_request_id(request)
+        if client_id is not None:
             log.info("request %s: X-Request-Id %s", rid, client_id)
+        trace.event(rid, "arrived", at=arrived_at(request), endpoint=endpoint, client_request_id=client_id,
+                    prompt_tokens=len(prompt), max_tokens=params.max_tokens, stream=bool(body.stream))
         salt = tenant.cache_salt(body.cache_salt)
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
                                  prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
@@ -139,18 +143,22 @@ class RequestPath:
         claims = Claims(tenant, self.admission, len(prompt) + params.max_tokens, len(prompt))
         try:
             claims.take(kv_room=router.kv_room(len(prompt)))
-        except APIError:
+        except APIError as e:
             REQUESTS.labels(endpoint, "429").inc()
+            trace.event(rid, "refused", status=e.status, reason=e.reason)
             raise
+        trace.event(rid, "admitted")
         try:
             call, first = await unless_gone(request.receive, self._start(req, claims, endpoint))
         except ClientGone:  # before its first token: queueing and prefill stop at once
             REQUESTS.labels(endpoint, "cancelled").inc()
+            trace.event(rid, "cancelled", before="first_token")
             return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
         finally:
             if call is None:
                 claims.release()
         ttft = time.monotonic() - started
+        trace.event(rid, "first_token")
         claims.first_token()
         TTFT.observe(ttft)
         events = responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
@@ -182,6 +190,7 @@ class RequestPath:
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             claims.on(worker)
+            trace.event(req.request_id, "sent", decode_worker=worker.address)
             try:
                 return await self._open(worker.address, req)
             except asyncio.CancelledError:  # its client left: nothing to count here

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine import trace
 from engine.tokenizer import Tokenizer
 from gateway.errors import APIError
 from gateway.logprobs import render as render_logprobs
-from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, TPOT
+from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, SLO, SLO_REQUESTS, TPOT
 from gateway.text_stream import TextStream
 from rpc import pdserve_pb2 as pb
 
@@ -99,6 +100,7 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
                 return
     finally:  # however it ends: its own end, an error its reader stopped at, or a client gone
         _record(endpoint, status, started, first_at, prompt_len, completion_tokens)
+        trace.event(rid, "finished", status=status, completion_tokens=completion_tokens)
 
 
 def _record(endpoint: str, status: str, started: float, first_at: float, prompt_len: int,
@@ -113,8 +115,10 @@ def _record(endpoint: str, status: str, started: float, first_at: float, prompt_
     if status == "ok":  # what the planner reads: the load and its latencies
         PROMPT_TOKENS.inc(prompt_len)
         COMPLETION_TOKENS.inc(completion_tokens)
-        if completion_tokens > 1:
-            TPOT.observe((now - first_at) / (completion_tokens - 1))
+        tpot = (now - first_at) / (completion_tokens - 1) if completion_tokens > 1 else None
+        if tpot is not None:
+            TPOT.observe(tpot)
+        SLO_REQUESTS.labels("yes" if SLO.met(first_at - started, tpot) else "no").inc()
 
 
 async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_name: str,

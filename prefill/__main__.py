@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from engine import trace
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -18,8 +19,9 @@ def main() -> None:
         parser.error("a prefill worker needs its KV transfer agent")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, model = build_engine(args)
-    worker = PrefillWorker(engine, build_agent("prefill", args, engine, model), args.push_timeout,
-                           stall_floor_s=args.stall_timeout)
+    agent = build_agent("prefill", args, engine, model)
+    trace.set_process("prefill", agent.name)
+    worker = PrefillWorker(engine, agent, args.push_timeout, stall_floor_s=args.stall_timeout)
     serve(worker, lambda server: pb_grpc.add_PrefillWorkerServicer_to_server(PrefillService(worker), server),
           args.host, args.port)
 

@@ -17,11 +17,13 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from engine import trace
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
+from worker import metrics as worker_metrics
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
 
@@ -119,6 +121,7 @@ class PrefillWorker(EngineLoop):
                                 cache_salt=req.cache_salt)
         self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
+        trace.event(rid, "arrived", prompt_tokens=len(prompt), decode_agent=peer, blocks=num_blocks - skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
                  num_blocks - skip)
 
@@ -182,11 +185,14 @@ class PrefillWorker(EngineLoop):
             if p.first_chunk_at is None:  # queue time ends when its first chunk's step began
                 p.first_chunk_at = step_started
                 p.num_cached_tokens = chunk.num_cached_tokens
+                worker_metrics.observe_first_step(p.num_prompt_tokens, p.num_cached_tokens, step_started - p.arrived)
+                trace.event(p.request_id, "scheduled", at=step_started, cached_tokens=p.num_cached_tokens)
             delta = sampled.get(p.request_id)
             if delta is not None:  # the prompt is done: push the rest, the partial last block too
                 p.first_token = delta.token_ids[0]
                 p.first_logprobs = delta.logprobs[0] if delta.logprobs else None
                 p.sampled_at = now
+                trace.event(p.request_id, "computed", at=now)
                 finishing.append(p.request_id)
                 self._push(p, chunk.block_table, -(-p.num_prompt_tokens // self.block_size), last=True)
             else:
@@ -214,11 +220,13 @@ class PrefillWorker(EngineLoop):
             if ev.status is PushStatus.DONE:
                 self.kv_blocks_transferred += len(p.dest_blocks)
                 p.reply.set_result(self._response(p))
+                trace.event(p.request_id, "replied", blocks=len(p.dest_blocks))
             else:
                 code = pb.CANCELLED if ev.status is PushStatus.ABORTED else pb.KV_TRANSFER_FAILED
                 reason = ev.reason or ev.status.value
                 p.reply.set_result(pb.PrefillResponse(error=pb.Error(code=code, message=f"KV push: {reason}",
                                                                      request_id=p.request_id)))
+                trace.event(p.request_id, "push_failed", status=ev.status.value, reason=reason)
             for waiter in p.abort_waiters:
                 waiter.set_result(True)
         return bool(events)
@@ -230,6 +238,7 @@ class PrefillWorker(EngineLoop):
         remote = p.dest_blocks[p.pushed - p.skip_blocks:upto - p.skip_blocks]
         p.pushed = max(p.pushed, upto)
         self.pusher.push(p.request_id, local, remote, last=last)
+        trace.event(p.request_id, "push_posted", blocks=len(local), last=last)
 
     def _response(self, p: _Prefill) -> pb.PrefillResponse:
         now = time.monotonic()

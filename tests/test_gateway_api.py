@@ -103,6 +103,16 @@ def test_one_scrape_shows_every_workers_step_and_transfer_metrics_and_they_move(
                     if n == "pdserve_engine_step_seconds_count" and ("worker", names["decode"]) in ls and v > 0}
     assert "decode" in decode_kinds, decode_kinds
     assert ("process_cpu_seconds_total", frozenset({("worker", names["decode"]), ("role", "decode")})) in after
+    for role, name in names.items():  # each worker scheduled the request once: its queue time and prompt
+        queued = [_total(s, "pdserve_engine_queue_seconds_count", worker=name) for s in (before, after)]
+        assert queued[1] == queued[0] + 1, (role, queued)
+        prompt = [_total(s, "pdserve_engine_prompt_tokens_total", worker=name) for s in (before, after)]
+        assert prompt[1] > prompt[0], (role, prompt)
+    # The same prompt again: the decode worker's prefix cache serves its full blocks.
+    client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=2, temperature=0)
+    again = _scrape(url)
+    hits = [_total(s, "pdserve_engine_prefix_cache_hit_tokens_total", worker=names["decode"]) for s in (after, again)]
+    assert hits[1] > hits[0], hits
 
 
 def test_chat_non_streaming_and_streaming_agree(client):

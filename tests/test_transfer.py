@@ -537,7 +537,7 @@ def test_abort_waits_for_writes_in_flight_then_notifies_once():
 def test_write_error_fails_with_every_unconfirmed_block():
     agent = fake_agent()
     nixl, pusher = agent.nixl, KVPusher(agent)
-    failures = REGISTRY.get_sample_value("pdserve_kv_transfer_failures_total", {"reason": "transfer error"}) or 0
+    failures = REGISTRY.get_sample_value("pdserve_kv_transfer_failures_total", {"reason": "transfer_error"}) or 0
     pusher.start("r", "decode-0-1")
     pusher.push("r", [1], [10])
     pusher.push("r", [2, 3], [11, 12])
@@ -548,7 +548,7 @@ def test_write_error_fails_with_every_unconfirmed_block():
     assert (failed.status, failed.reason) == (PushStatus.FAILED, "transfer error")
     assert failed.remote_blocks == (11, 12, 13) and failed.num_bytes == BLOCK_BYTES
     assert all(h.released for h in nixl.made)
-    assert REGISTRY.get_sample_value("pdserve_kv_transfer_failures_total", {"reason": "transfer error"}) == failures + 1
+    assert REGISTRY.get_sample_value("pdserve_kv_transfer_failures_total", {"reason": "transfer_error"}) == failures + 1
 
 
 def test_failed_post_fails_the_push_and_releases_its_handle():

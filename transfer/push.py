@@ -207,7 +207,7 @@ class KVPusher:
         p.queued.clear()
         log.info("request %s: KV push to %s failed (%s); %d blocks unconfirmed",
                  p.request_id, p.peer, reason, len(p.unconfirmed))
-        metrics.FAILURES.labels(reason=reason.split(":")[0]).inc()
+        metrics.FAILURES.labels(reason=reason.split(":")[0].replace(" ", "_")).inc()
         self._drain_failed(p)
 
     def _drain_failed(self, p: _Push) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+from engine import envs
 from engine.llm_engine import StepStats
 from engine.scheduler import SchedulerOutput
 
@@ -20,6 +21,20 @@ STEP_TOKENS = Histogram("pdserve_engine_step_tokens", "Tokens computed per engin
 STEP_SEQUENCES = Histogram("pdserve_engine_step_sequences", "Sequences per engine step by kind", ["kind"],
                            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 PREEMPTIONS = Counter("pdserve_engine_preemptions", "Sequences preempted (recomputed later) for KV blocks")
+QUEUE_SECONDS = Histogram(
+    "pdserve_engine_queue_seconds", "From a request's arrival at the worker to its first step (blocks reserved or "
+    "first chunk run)", buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
+PROMPT_TOKENS = Counter("pdserve_engine_prompt_tokens", "Prompt tokens of the requests this worker scheduled")
+PREFIX_HIT_TOKENS = Counter("pdserve_engine_prefix_cache_hit_tokens",
+                            "Prompt tokens served by this worker's prefix cache (not computed, not transferred)")
+
+
+def observe_first_step(prompt_tokens: int, cached_tokens: int, queue_s: float) -> None:
+    """A request's first step on this worker: how long it queued, how much of its prompt was cached."""
+    QUEUE_SECONDS.observe(queue_s)
+    PROMPT_TOKENS.inc(prompt_tokens)
+    PREFIX_HIT_TOKENS.inc(cached_tokens)
 
 
 def step_kind(out: SchedulerOutput) -> str:
@@ -31,7 +46,7 @@ def observe_step(out: SchedulerOutput, stats: StepStats | None) -> None:
     """One scheduled step: its preemptions, and if it ran, the engine's own size and duration."""
     if out.preempted:
         PREEMPTIONS.inc(len(out.preempted))
-    if stats is None:
+    if stats is None or not envs.step_metrics_enabled():
         return
     kind = step_kind(out)
     STEP_SECONDS.labels(kind).observe(stats.seconds)
