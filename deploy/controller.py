@@ -34,6 +34,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from deploy import metrics
 from deploy.config import DeployConfig, PoolConfig
 from deploy.health import Action, judge_health, judge_report
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
@@ -60,6 +61,7 @@ class Controller:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.config = DeployConfig.from_dict(config, "controller")
         self.admin_token = admin_token
+        self.incarnation = f"controller-{int(time.time() * 1000)}"  # its metrics' series: new ones if it restarts
         self.child_env = {auth.ENV: internal_token}  # every worker and the gateway: the gRPC secret
         os.environ[auth.ENV] = internal_token  # this process's own channels send it
         self.driver_node = driver_node_id
@@ -103,6 +105,9 @@ class Controller:
         if prefill is not None and prefill < 0:
             raise ValueError("the prefill pool cannot have fewer than 0 workers")
         targets = {"prefill": prefill, "decode": decode}
+        for role, target in targets.items():
+            if target is not None:
+                metrics.POOL_TARGET.labels(role).set(target)
         with self.lock:
             new: list[Slot] = []
             try:
@@ -255,6 +260,7 @@ class Controller:
             report = None
         decision = judge_report(slot, report)
         if decision.action is Action.HOST_LOST:
+            metrics.HEALTH_VERDICTS.labels(slot.role, "host_lost").inc()
             if slot.state is not SlotState.RESTARTING:
                 self._event(f"{slot.role} worker {slot.worker_id}: host actor lost, Ray restarts it")
                 slot.state = SlotState.RESTARTING
@@ -265,13 +271,16 @@ class Controller:
             slot.report, slot.address, slot.incarnation = report, report.address, report.incarnation
             slot.node_id, slot.failures, slot.state = report.node_id, 0, SlotState.READY
             slot.restarts += 1
+            metrics.HEALTH_VERDICTS.labels(slot.role, "adopted").inc()
             self._event(f"{slot.role} worker {slot.worker_id}: incarnation {slot.incarnation} ready on "
                         f"{slot.address}")
         elif decision.action is Action.RESTART:
             self._restart(slot, decision.why)
         elif self._healthy(slot):
+            metrics.HEALTH_VERDICTS.labels(slot.role, "ok").inc()
             slot.failures = 0
         else:
+            metrics.HEALTH_VERDICTS.labels(slot.role, "unhealthy").inc()
             slot.failures += 1
             decision = judge_health(slot.failures, self.config.unhealthy_after)
             if decision.action is Action.RESTART:
@@ -279,6 +288,7 @@ class Controller:
 
     def _restart(self, slot: Slot, why: str) -> None:
         self._event(f"{slot.role} worker {slot.worker_id}: {why}; replacing it with a new incarnation")
+        metrics.HEALTH_VERDICTS.labels(slot.role, "restart").inc()
         slot.state, slot.failures = SlotState.RESTARTING, 0
         self.channels.pop(slot.address, None)
         ray.kill(slot.host, no_restart=False)  # Ray restarts the actor, which starts a fresh process
@@ -322,9 +332,10 @@ class Controller:
 
     def _start_gateway(self) -> None:
         strategy = NodeAffinitySchedulingStrategy(self.driver_node, soft=False)  # where the user reaches it
+        slo = self.config.planner  # one SLO: the planner plans for it, the gateway counts goodput against it
+        args = [*self.config.gateway.args(), "--slo-ttft", str(slo.slo_ttft_s), "--slo-tpot", str(slo.slo_tpot_s)]
         self.gateway = GatewayHost.options(num_cpus=0, scheduling_strategy=strategy).remote(
-            self.config.model, self.config.served_name, self.config.gateway.args(), self.admin_token, self.log_dir,
-            self.child_env)
+            self.config.model, self.config.served_name, args, self.admin_token, self.log_dir, self.child_env)
         self.gateway_started = ray.get(self.gateway.info.remote(), timeout=60)["started"]
 
     def _gateway_url(self) -> str:
@@ -381,8 +392,13 @@ class Controller:
         if self.gateway is None:
             return
         ready = {role: [s.address for s in slots if s.state is SlotState.READY] for role, slots in self.pools.items()}
+        counts: dict[tuple[str, str], int] = {}
+        for slot in [s for pool in self.pools.values() for s in pool] + self.draining:
+            counts[slot.role, slot.state.value] = counts.get((slot.role, slot.state.value), 0) + 1
+        metrics.set_pools(counts)
         try:  # through the actor on the gateway's node: the admin socket listens on its loopback only
-            failed = ray.get(self.gateway.push_membership.remote(ready["decode"], ready["prefill"]), timeout=30)
+            failed = ray.get(self.gateway.push_membership.remote(ready["decode"], ready["prefill"],
+                                                                 metrics.exposition(), self.incarnation), timeout=30)
         except Exception as e:  # the actor is restarting: the next round pushes again
             failed = str(e)
         if failed:

@@ -121,15 +121,18 @@ class GatewayHost:
         self.admin_token, self.admin_address = admin_token, ""
         self.process = HostedProcess(cmd, log, {**env, "PDSERVE_ADMIN_TOKEN": admin_token})
 
-    def push_membership(self, decode: list[str], prefill: list[str]) -> str:
-        """PUT the ready workers to the gateway's admin socket, on this node's loopback (the
-        only place it listens: gateway/admin_listener.py). Returns "" or why it failed."""
+    def push_membership(self, decode: list[str], prefill: list[str], metrics: str = "",
+                        controller: str = "controller") -> str:
+        """PUT the ready workers (and the controller's metrics, for the gateway's /metrics) to
+        the gateway's admin socket, on this node's loopback (the only place it listens:
+        gateway/admin_listener.py). Returns "" or why it failed."""
         if not self.admin_address:
             m = _ADMIN.search(self.process.log_path.read_text(errors="replace"))
             if m is None:
                 return "the gateway has not opened its admin socket yet"
             self.admin_address = f"{m.group(1)}:{m.group(2)}"
-        body = json.dumps({"decode": decode, "prefill": prefill}).encode()
+        body = json.dumps({"decode": decode, "prefill": prefill, "metrics": metrics,
+                           "controller": controller}).encode()
         request = urllib.request.Request(f"http://{self.admin_address}/admin/workers", data=body, method="PUT",
                                          headers={"Authorization": f"Bearer {self.admin_token}",
                                                   "Content-Type": "application/json"})

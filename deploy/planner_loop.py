@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from deploy import metrics
 from deploy.config import PlannerConfig
 from deploy.planner import Planner, scrape
 from deploy.profile import Profile
@@ -56,6 +57,7 @@ class PlannerLoop:
                     continue
                 decision = planner.decide(window, now - start_at, current)
                 self.last_plan = decision.reason
+                metrics.PLANNER_DECISIONS.labels("hold" if decision.target == current else "scale").inc()
                 if decision.target == current:
                     self.event(f"planner: {decision.reason}")
                 else:

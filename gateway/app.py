@@ -38,6 +38,7 @@ from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.router import Router
 from gateway.tenants import Tenants
+from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
     path = RequestPath(config, router, backend, admission, tokenizer)
+    controller_metrics: list[tuple[str, str]] = []  # the deploy controller's (incarnation, exposition), as of its last push
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -99,6 +101,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics() -> Response:
         await readiness.observe()
         workers = await readiness.worker_metrics()
+        if controller_metrics:
+            name, text = controller_metrics[0]
+            workers = [*workers, pb.MetricsResponse(worker=name, role="controller", exposition=text.encode())]
         return Response(scrape.merge(generate_latest(), workers), media_type=CONTENT_TYPE_LATEST)
 
     def _check_admin(authorization: str | None) -> None:
@@ -121,6 +126,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 log.info("workers now: decode %s, prefill %s", members.decode, members.prefill)
             router.set_workers(members.decode, members.prefill)
             await backend.set_workers(members.decode, members.prefill)
+            if members.metrics:
+                controller_metrics[:] = [(members.controller, members.metrics)]
             readiness.stale()
             return {"decode": members.decode, "prefill": members.prefill}
 

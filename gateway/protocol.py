@@ -124,3 +124,5 @@ class Membership(BaseModel):
 
     decode: list[str]
     prefill: list[str] = []
+    metrics: str = ""  # the controller's Prometheus exposition, merged into /metrics as role="controller"
+    controller: str = "controller"  # its incarnation, the `worker` label of those series

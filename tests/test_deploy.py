@@ -50,6 +50,54 @@ def test_serve_streams_a_completion(embedded):
     assert [(w["state"], w["restarts"]) for w in workers] == [("ready", 0), ("ready", 0)], workers
 
 
+def _selectors(expr: str) -> tuple[list[tuple[str, dict[str, str]]], set[str]]:
+    """The series a PromQL expression selects (name, equality matchers) and the labels it groups by."""
+    selected = [(m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")))
+                for m in re.finditer(r"\b(pdserve_\w+)(\{[^}]*\})?", expr)]
+    grouped = {label.strip() for clause in re.findall(r"by \(([^)]*)\)", expr) for label in clause.split(",")}
+    return selected, grouped - {"le", ""}
+
+
+def test_every_series_the_dashboard_queries_is_in_the_deployments_one_scrape(embedded):
+    """deploy/grafana/pdserve.json's queries all find their series (with the labels they
+    match and group by) in the gateway's /metrics, the controller's pool sizes, health
+    verdicts and planner decisions among them."""
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, _, _ = embedded
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=4, temperature=0)
+
+    def scrape() -> list:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+    samples = wait_for(lambda: (lambda got: got if any(
+        s.name == "pdserve_health_verdicts_total" and s.labels.get("verdict") == "ok" and s.value > 0
+        for s in got) else None)(scrape()), 60, "a health round's verdicts in the scrape")
+    ready = {s.labels["pool"]: s.value for s in samples
+             if s.name == "pdserve_pool_workers" and s.labels.get("state") == "ready"}
+    assert ready == {"prefill": 1, "decode": 1}, ready
+    assert all(s.labels.get("role") == "controller" and s.labels["worker"].startswith("controller-")
+               for s in samples if s.name == "pdserve_pool_workers")
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "pdserve.json").read_text())
+    targets = [(p["title"], t) for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(targets) >= 20
+    for title, target in targets:
+        selected, grouped = _selectors(target["expr"])
+        assert selected, (title, target["expr"])
+        labels_seen: set[str] = set()
+        for name, matchers in selected:
+            matching = [s for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in matchers.items())]
+            assert matching, f"{title}: no series {name}{matchers} in the scrape"
+            labels_seen |= {k for s in matching for k in s.labels}
+        assert grouped <= labels_seen, f"{title}: groups by {grouped - labels_seen}, which no series has"
+        legend = set(re.findall(r"\{\{(\w+)\}\}", target.get("legendFormat", "")))
+        assert legend <= labels_seen, f"{title}: legend names {legend - labels_seen}"
+
+
 def _load(url: str, stop: threading.Event, results: list[int]) -> None:
     """Back-to-back requests until stop; every status code is recorded."""
     with httpx.Client(timeout=120) as http:
