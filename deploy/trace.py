@@ -103,10 +103,10 @@ def _fmt(key: str, v: object) -> str:
     return str(v)
 
 
-def log_files(roots: Iterable[Path]) -> list[Path]:
+def log_files(roots: Iterable[Path | str]) -> list[Path]:
     """Every log (and rotated backup) under `roots`, oldest first."""
     files = set()
-    for root in roots:
+    for root in map(Path, roots):
         if root.is_file():
             files.add(root)
         elif root.is_dir():
