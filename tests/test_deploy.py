@@ -316,3 +316,11 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
                 for f in loads:
                     f.result()
         assert "planner: " in log.read_text() and results and set(results) == {200}, set(results)
+        # Its moves are on the one scrape: decisions counted, the target and the pools' sizes.
+        def scaled() -> str | None:
+            text = httpx.get(f"{url}/metrics", timeout=30).text
+            moves = [float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith("pdserve_planner_decisions_total{") and 'decision="scale"' in line]
+            return text if moves and moves[0] >= 2 and re.search(
+                r'pdserve_pool_target_workers\{[^}]*pool="decode"[^}]*\} 2\.0', text) else None
+        wait_for(scaled, 30, "two scale decisions and the decode target of 2 in /metrics", log)
