@@ -84,7 +84,8 @@ class ModelRunner:
         runs = [(0, len(decodes))] if in_place and decodes else group_by_length([c.context_len for c in decodes])
         for i, j in runs:
             width = max(len(c.block_table) for c in decodes[i:j])
-            tables, lens = step.decode_block_tables[i:j, :width], step.decode_context_lens[i:j]
+            # one contiguous copy per step (a strided view would be copied by every layer's kernel call)
+            tables, lens = step.decode_block_tables[i:j, :width].contiguous(), step.decode_context_lens[i:j]
             mask = None if in_place else build_decode_mask(lens, width * bs).to(self.device)
             groups.append(DecodeGroup(i, j, tables.to(self.device), lens.to(self.device), mask))
         meta = AttentionMetadata(
