@@ -290,10 +290,11 @@ class RemotePrefills:
         )
         timeout = max(0.1, state.deadline - time.monotonic())
         state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
-        state.rpc = self._stub(state.worker).Prefill.future(req, timeout=timeout)
-        self.receiver.expect(state.transfer_id, timeout_s=timeout + 1.0)
+        # Before the call: the prefill worker may log its arrival before .future() returns.
         trace.event(state.request_id, "prefill_sent", prefill_worker=state.worker, attempt=state.attempt + 1,
                     blocks=len(state.destination_blocks), cached_tokens=state.num_cached_tokens)
+        state.rpc = self._stub(state.worker).Prefill.future(req, timeout=timeout)
+        self.receiver.expect(state.transfer_id, timeout_s=timeout + 1.0)
         log.info("request %s: prefill on %s (attempt %d), %d blocks to fill", state.request_id, state.worker,
                  state.attempt + 1, len(state.destination_blocks))
 

@@ -219,14 +219,14 @@ class PrefillWorker(EngineLoop):
                 continue
             if ev.status is PushStatus.DONE:
                 self.kv_blocks_transferred += len(p.dest_blocks)
+                trace.event(p.request_id, "replied", blocks=len(p.dest_blocks))  # before the reply can overtake it
                 p.reply.set_result(self._response(p))
-                trace.event(p.request_id, "replied", blocks=len(p.dest_blocks))
             else:
                 code = pb.CANCELLED if ev.status is PushStatus.ABORTED else pb.KV_TRANSFER_FAILED
                 reason = ev.reason or ev.status.value
+                trace.event(p.request_id, "push_failed", status=ev.status.value, reason=reason)
                 p.reply.set_result(pb.PrefillResponse(error=pb.Error(code=code, message=f"KV push: {reason}",
                                                                      request_id=p.request_id)))
-                trace.event(p.request_id, "push_failed", status=ev.status.value, reason=reason)
             for waiter in p.abort_waiters:
                 waiter.set_result(True)
         return bool(events)
