@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 
 from decode import metrics
-from engine import trace
 from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
                                    RemotePrefills)
+from engine import trace
 from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, SchedulerOutput
@@ -27,8 +27,8 @@ from engine.sequence import FinishReason
 from rpc import pdserve_pb2 as pb
 from rpc.convert import finish_to_pb, logprobs_to_pb
 from transfer import TransferAgent
-from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker import metrics as worker_metrics
+from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,10 @@ class DecodeWorker(EngineLoop):
         """A Prefill goes out in the step that reserved its blocks, before that step's forward
         pass, not after it."""
         now = time.monotonic()
-        for seq in [rp.seq for rp in out.remote_prefills] + [c.seq for c in out.chunks]:
+        # A request's first step: its blocks reserved for a remote prefill, or the first chunk
+        # of a local one (it starts past the cached prefix); decode chunks are skipped at once.
+        firsts = [c.seq for c in out.chunks if c.start == c.seq.num_cached_tokens]
+        for seq in [rp.seq for rp in out.remote_prefills] + firsts:
             stream = self.streams.get(seq.request_id)
             if stream is not None and stream.scheduled_at is None:
                 stream.scheduled_at = now

@@ -114,8 +114,9 @@ def log_files(roots: Iterable[Path | str]) -> list[Path]:
     return sorted(files, key=lambda p: p.stat().st_mtime)
 
 
-def read_events(paths: Iterable[Path], needle: str | None = None) -> Iterator[TraceEvent]:
-    """The trace events in `paths` (only lines holding `needle`, when given: a fast filter)."""
+def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[TraceEvent]:
+    """The trace events in `paths` (only lines holding one of `needles`, when given: a fast filter)."""
+    needles = tuple(needles)
     for path in paths:
         try:
             f = path.open(errors="replace")
@@ -124,7 +125,7 @@ def read_events(paths: Iterable[Path], needle: str | None = None) -> Iterator[Tr
         with f:
             for line in f:
                 i = line.find(_MARK)
-                if i < 0 or (needle is not None and needle not in line):
+                if i < 0 or (needles and not any(n in line for n in needles)):
                     continue
                 try:
                     rec = json.loads(line[i + len(_MARK):])
@@ -142,18 +143,14 @@ def _same_request(request_id: str, candidate: str) -> bool:
 def timelines(paths: list[Path], wanted: str) -> list[Timeline]:
     """The timelines of `wanted`: a gateway request id, or a client's X-Request-Id (which may
     name several requests: one timeline each, in order of arrival)."""
-    events = list(read_events(paths, wanted))
+    events = list(read_events(paths, [wanted]))
     rids = {e.request_id for e in events if e.role == "gateway" and e.name == "arrived"
             and e.fields.get("client_request_id") == wanted}
-    if not rids:
-        rids = {wanted} if any(_same_request(wanted, e.request_id) for e in events) else set()
-    lines = []
-    for rid in rids:
-        if rid != wanted:
-            events_of = list(read_events(paths, rid))
-        else:
-            events_of = events
-        lines.append(Timeline.of(rid, [e for e in events_of if _same_request(rid, e.request_id)]))
+    if rids:  # a client's id: the workers' lines name only the gateway's ids (one more pass, for all of them)
+        events = list(read_events(paths, rids))
+    elif any(_same_request(wanted, e.request_id) for e in events):
+        rids = {wanted}
+    lines = [Timeline.of(rid, [e for e in events if _same_request(rid, e.request_id)]) for rid in rids]
     return sorted(lines, key=lambda line: line.events[0].t if line.events else 0.0)
 
 

@@ -30,6 +30,9 @@ PREFIX_HIT_TOKENS = Counter("pdserve_engine_prefix_cache_hit_tokens",
                             "Prompt tokens served by this worker's prefix cache (not computed, not transferred)")
 
 
+_STEP_METRICS = envs.step_metrics_enabled()  # read once: this runs every step
+
+
 def observe_first_step(prompt_tokens: int, cached_tokens: int, queue_s: float) -> None:
     """A request's first step on this worker: how long it queued, how much of its prompt was cached."""
     QUEUE_SECONDS.observe(queue_s)
@@ -46,7 +49,7 @@ def observe_step(out: SchedulerOutput, stats: StepStats | None) -> None:
     """One scheduled step: its preemptions, and if it ran, the engine's own size and duration."""
     if out.preempted:
         PREEMPTIONS.inc(len(out.preempted))
-    if stats is None or not envs.step_metrics_enabled():
+    if stats is None or not _STEP_METRICS:
         return
     kind = step_kind(out)
     STEP_SECONDS.labels(kind).observe(stats.seconds)
