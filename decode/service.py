@@ -31,6 +31,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids))
         try:
             params = params_from_pb(request.params)
+            self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
         out: queue.SimpleQueue = queue.SimpleQueue()

@@ -13,6 +13,7 @@ inside the engine.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.grammar import GrammarError, Grammars
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
@@ -116,6 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv_cache, config.device, limits)
         self.model = model
         self._probe_block = num_blocks
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
                  config.cache.block_size, self.kv_cache.total_bytes / 2**20)
@@ -147,6 +151,11 @@ class LLMEngine:
         (see check_token_ids, and the scheduler's own limits)."""
         self.check_token_ids(request_id, prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, cache_salt)
+        if params.grammar is not None:
+            try:  # compiled already when a worker's RPC thread called compile_grammar (cached)
+                seq.matcher = self.grammars.matcher(params.grammar)
+            except GrammarError as e:
+                raise RequestRejected(request_id, f"grammar: {e}") from None
         seq.remote_prefill = remote_prefill
         seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)
@@ -162,6 +171,22 @@ class LLMEngine:
             if bad is not None:
                 raise RequestRejected(request_id, f"{what}: token id {bad} is not in this model's vocabulary "
                                                   f"[0, {vocab})")
+
+    @property
+    def grammars(self) -> Grammars:
+        """The structured-output compiler for this model's tokenizer, made on first use."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars.from_folder(self.config.model_path, self.model.cfg.vocab_size,
+                                                      self.model.cfg.eos_token_ids)
+            return self._grammars
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar into the cache now (any thread: a worker's RPC
+        thread does, so the loop's add_request never waits on a compile). GrammarError (a
+        ValueError) names what is wrong with the schema."""
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)
 
     # -- what workers ask of the scheduler and the KV manager --------------------------------
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, build_decode_mask, group_by_length
+from engine.grammar import allowed_next
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingMetadata, TokenLogprobs
@@ -44,6 +45,7 @@ class ModelRunner:
             [c.seq.output_token_ids for c in sampled],
             logits.shape[-1],
             self.device,
+            _grammar_masks(sampled, logits.shape[-1]),
         )
         result = self.sampler(logits, smeta)
         ids = [c.seq.request_id for c in sampled]
@@ -96,3 +98,16 @@ class ModelRunner:
         )
         return (step.input_ids.to(self.device), step.positions.to(self.device), meta,
                 torch.tensor(sample_rows, dtype=torch.int64), sampled)
+
+
+def _grammar_masks(sampled: list, vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
+    """(rows, allowed tokens) for the sampled rows under a grammar; None when no row is."""
+    rows = [i for i, c in enumerate(sampled) if c.seq.matcher is not None]
+    if not rows:
+        return None
+    masks = allowed_next([sampled[i].seq.matcher for i in rows], [sampled[i].seq.output_token_ids for i in rows],
+                         vocab_size)
+    if masks is None:
+        return None
+    constrained, allowed = masks
+    return [rows[j] for j in constrained], allowed

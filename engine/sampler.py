@@ -125,6 +125,9 @@ class SamplingMetadata:
     seeds: torch.Tensor | None  # [num_seeded] int64
     positions: torch.Tensor | None  # [num_seeded] int64
     num_logprobs: list[int | None]  # per row params.logprobs, for shaping the output
+    # Structured output: the rows under a grammar and the tokens each may take next.
+    grammar_rows: torch.Tensor | None = None  # [num_grammar] int64
+    grammar_allowed: torch.Tensor | None = None  # [num_grammar, vocab] bool
 
     @classmethod
     def build(
@@ -134,7 +137,9 @@ class SamplingMetadata:
         output_ids: list[Sequence[int]],
         vocab_size: int,
         device: torch.device | str,
+        grammar: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingMetadata:
+        """grammar: (rows, [len(rows), vocab] bool allowed tokens) for the rows under one."""
         n = len(params)
         assert len(prompt_ids) == n and len(output_ids) == n
 
@@ -195,6 +200,8 @@ class SamplingMetadata:
             seeds=opt([params[i].seed for i in seeded_rows], torch.int64),
             positions=opt([len(output_ids[i]) for i in seeded_rows], torch.int64),
             num_logprobs=[p.logprobs for p in params],
+            grammar_rows=_tensor(grammar[0], torch.int64, device) if grammar else None,
+            grammar_allowed=grammar[1].to(device) if grammar else None,
         )
 
 
@@ -214,10 +221,11 @@ class SamplerOutput:
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """`logits` in float32 with logit_bias and the penalties applied (what greedy rows take
-    the argmax of): a copy when there is anything to apply, else `logits` itself (as
-    float32). The input is never modified, and neither is the result afterwards."""
-    if not meta.any_bias and not meta.any_penalty:
+    """`logits` in float32 with logit_bias, the penalties and the grammars' masks applied
+    (what greedy rows take the argmax of): a copy when there is anything to apply, else
+    `logits` itself (as float32). The input is never modified, and neither is the result
+    afterwards."""
+    if not meta.any_bias and not meta.any_penalty and meta.grammar_rows is None:
         return logits.float()  # no copy when already float32: a batch-32 step's logits are 6 MB
     logits = logits.to(dtype=torch.float32, copy=True)  # [num_seqs, vocab]
     if meta.any_bias:
@@ -230,6 +238,9 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         counts = pen.output_counts  # [num_pen, vocab]
         sub -= pen.presence[:, None] * (counts > 0) + pen.frequency[:, None] * counts
         logits[pen.rows] = sub
+    if meta.grammar_rows is not None:  # last: no bias or penalty lifts a token the grammar forbids
+        rows = meta.grammar_rows
+        logits[rows] = logits[rows].masked_fill(~meta.grammar_allowed, float("-inf"))
     return logits
 
 

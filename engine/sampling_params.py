@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.grammar import Grammar
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the parameter."""
@@ -17,7 +19,9 @@ class SamplingParams:
     respective filters. repetition_penalty is the multiplicative (CTRL / Hugging Face) kind
     over prompt and output tokens; presence / frequency penalties are OpenAI's additive
     kind over output tokens only. logit_bias maps token id -> value added to its logit.
-    A request with a seed gets the same tokens whatever else shares its batch.
+    A request with a seed gets the same tokens whatever else shares its batch. A grammar
+    restricts every token to those its JSON schema allows next (and ends the output where
+    the schema does, so it excludes ignore_eos).
     """
 
     temperature: float = 1.0
@@ -33,6 +37,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token (0 = only the sampled one)
+    grammar: Grammar | None = None  # a JSON schema the output follows (engine/grammar.py)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
@@ -63,6 +68,8 @@ class SamplingParams:
                 raise SamplingParamsError(f"logit_bias key {tok!r}: must be a token id (int >= 0)")
             if not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError(f"logit_bias[{tok}]={bias!r}: must be in [-100, 100]")
+        if self.grammar is not None and self.ignore_eos:
+            raise bad("ignore_eos", "cannot be combined with a grammar: the output ends where the grammar does")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     @property

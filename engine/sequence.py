@@ -45,6 +45,9 @@ class Sequence:
     # Keep the blocks after finishing until Scheduler.release() (a prefill worker holds
     # them until their push to the decode worker is done).
     hold_blocks: bool = False
+    # Structured output: the engine's grammar matcher (engine/grammar.py) when params.grammar
+    # is set. Opaque to the scheduler; the runner asks it for the tokens allowed next.
+    matcher: object | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, the model's input

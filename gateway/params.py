@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gateway.errors import APIError
 from gateway.protocol import ChatCompletionRequest
+from gateway.structured import grammar_of
 from rpc import pdserve_pb2 as pb
 
 _PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -53,4 +54,10 @@ def sampling_params(body, prompt_len: int, *, max_model_len: int, max_prompt: in
     if body.num_logprobs is not None:
         p.logprobs = body.num_logprobs
     p.ignore_eos = body.ignore_eos
+    grammar = grammar_of(body.response_format)
+    if grammar is not None:
+        if body.ignore_eos:
+            raise APIError(400, "ignore_eos cannot be combined with response_format: the output ends where the "
+                                "schema does", "ignore_eos")
+        p.grammar.CopyFrom(pb.Grammar(json_schema=grammar.json_schema, strict=grammar.strict))
     return p

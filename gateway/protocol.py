@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # per stop string: what is held back of the text (and searched) is this long at most
@@ -20,6 +20,30 @@ class StreamOptions(BaseModel):
 
 
 INT32_MAX = 2**31 - 1  # the proto's int32 fields
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema the output must follow."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | bool = Field(default_factory=dict, alias="schema")  # {} or true: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON following a schema."""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object (name, schema)")
+        return self
 
 
 class _Sampling(BaseModel):
@@ -44,6 +68,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False  # vendor extra (vLLM has it too): generate exactly max_tokens, for benchmarks
     # vendor extra (vLLM has it too): prefix-cache hits only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod

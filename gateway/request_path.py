@@ -23,6 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import trace
+from engine.grammar import Grammar
 from engine.tokenizer import Tokenizer
 from gateway import responses
 from gateway.admission import Admission, Ticket
@@ -33,6 +34,7 @@ from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
+from gateway.structured import GrammarCheck
 from gateway.tenants import Tenant
 from rpc import pdserve_pb2 as pb
 
@@ -118,6 +120,8 @@ class RequestPath:
     def __init__(self, config, router: Router, backend: Backend, admission: Admission, tokenizer: Tokenizer):
         self.config, self.router, self.backend = config, router, backend
         self.admission, self.tokenizer = admission, tokenizer
+        self.grammars = GrammarCheck(config.model_path, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids),
+                                     config.grammar_compile_timeout_s)
 
     def max_prompt(self) -> int:
         return max_prompt_tokens(self.config.max_model_len, self.config.max_prompt_tokens)
@@ -128,6 +132,8 @@ class RequestPath:
         params = sampling_params(body, len(prompt), max_model_len=config.max_model_len, max_prompt=self.max_prompt(),
                                  kv_capacity=router.kv_capacity(), max_output_tokens=config.max_output_tokens,
                                  vocab_size=self.tokenizer.vocab_size)
+        if params.HasField("grammar"):  # a bad schema is a 400 here, before admission and any worker
+            await self.grammars.check(Grammar(params.grammar.json_schema, params.grammar.strict))
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         set_request_id(request, rid)
         client_id = client_request_id(request)

@@ -29,6 +29,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         reply: Future = Future()
         try:
             params = params_from_pb(request.params)
+            self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
             self.worker.call(lambda: self.worker.add(request, params, reply, context.time_remaining()),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from engine.sampler import TokenLogprobs
+from engine.grammar import Grammar
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason
 from rpc import pdserve_pb2 as pb
@@ -33,6 +34,8 @@ def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.grammar is not None:
+        msg.grammar.CopyFrom(pb.Grammar(json_schema=p.grammar.json_schema, strict=p.grammar.strict))
     return msg
 
 
@@ -51,6 +54,7 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty, logit_bias=dict(msg.logit_bias),
         seed=opt("seed"), max_tokens=opt("max_tokens"), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, logprobs=opt("logprobs"),
+        grammar=Grammar(msg.grammar.json_schema, msg.grammar.strict) if msg.HasField("grammar") else None,
     )
 
 
