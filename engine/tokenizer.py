@@ -8,6 +8,7 @@ match transformers' AutoTokenizer for the same folder.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -164,7 +165,13 @@ class Tokenizer:
         """Text of `ids` (invalid UTF-8 byte sequences become U+FFFD)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template shows the model a `tools` list (tool-trained models' templates do)."""
+        return self.chat_template is not None and re.search(r"\btools\b", self.chat_template) is not None
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         """Render `messages` ([{"role": ..., "content": ...}, ...]) into one prompt string.
 
         The prompt already holds any BOS text the template writes: encode it with
@@ -182,7 +189,7 @@ class Tokenizer:
             if self._template is None:
                 self._template = _compile_template(self.chat_template)
             return self._template.render(
-                messages=messages, tools=None, documents=None,
+                messages=messages, tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **self.special_tokens,
             )
         except jinja2.exceptions.TemplateError as e:

@@ -39,6 +39,7 @@ from gateway.request_path import RequestPath
 from gateway.router import Router
 from gateway.structured import DEFAULT_COMPILE_TIMEOUT_S
 from gateway.tenants import Tenants
+from gateway.tools import ToolPlan, render_messages
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
+        tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.renders_tools)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = render_messages(body.messages, tokenizer.renders_tools)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         if len(messages) > path.max_prompt():  # each message is a token at least: no need to render them
@@ -151,12 +153,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                 "prompt tokens", "messages")
         _shed_before_tokenizing(tenant, "chat")
         try:
-            prompt = await asyncio.to_thread(_chat_ids, messages)
+            prompt = await asyncio.to_thread(_chat_ids, messages, tools.render if tools else None)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
         except (TypeError, UnicodeError):  # e.g. a lone surrogate (valid JSON, not valid text)
             raise APIError(400, "messages: text is not valid Unicode (unpaired surrogate?)", "messages") from None
-        return await path.serve("chat", body, prompt, tenant, request)
+        return await path.serve("chat", body, prompt, tenant, request, tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -184,8 +186,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             REQUESTS.labels(endpoint, "429").inc()
             raise
 
-    def _chat_ids(messages: list[dict]) -> list[int]:
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    def _chat_ids(messages: list[dict], tools: list[dict] | None) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
     def _check_model(name: str) -> None:
         if name != config.model_name:

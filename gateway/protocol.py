@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from gateway.tools import Tool, ToolChoice
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # per stop string: what is held back of the text (and searched) is this long at most
 MAX_LOGIT_BIAS = 300
@@ -102,6 +104,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (gateway/tools.py)
+    tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -119,6 +123,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def output_limit(self) -> int | None:

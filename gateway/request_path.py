@@ -36,6 +36,7 @@ from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
 from gateway.structured import GrammarCheck
 from gateway.tenants import Tenant
+from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
 
 
@@ -126,14 +127,22 @@ class RequestPath:
     def max_prompt(self) -> int:
         return max_prompt_tokens(self.config.max_model_len, self.config.max_prompt_tokens)
 
-    async def serve(self, kind: str, body, prompt: list[int], tenant: Tenant, request: Request) -> Response:
+    async def serve(self, kind: str, body, prompt: list[int], tenant: Tenant, request: Request,
+                    tools: ToolPlan | None = None) -> Response:
+        """The request's answer; `tools`: how a chat request uses its tools (gateway/tools.py)."""
         config, router = self.config, self.router
         endpoint = "chat" if kind == "chat" else "completions"
         params = sampling_params(body, len(prompt), max_model_len=config.max_model_len, max_prompt=self.max_prompt(),
                                  kv_capacity=router.kv_capacity(), max_output_tokens=config.max_output_tokens,
                                  vocab_size=self.tokenizer.vocab_size)
+        if tools is not None and tools.grammar is not None:
+            if params.HasField("grammar"):
+                raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named '
+                                    "function: the output is the call", "response_format")
+            params.grammar.CopyFrom(pb.Grammar(json_schema=tools.grammar.json_schema, strict=tools.grammar.strict))
         if params.HasField("grammar"):  # a bad schema is a 400 here, before admission and any worker
-            await self.grammars.check(Grammar(params.grammar.json_schema, params.grammar.strict))
+            await self.grammars.check(Grammar(params.grammar.json_schema, params.grammar.strict),
+                                      "tools" if tools is not None and tools.grammar is not None else "response_format")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         set_request_id(request, rid)
         client_id = client_request_id(request)
@@ -176,11 +185,11 @@ class RequestPath:
             call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
-            return _ReleasingStream(responses.sse(kind, rid, body, events, config.model_name, self.tokenizer),
+            return _ReleasingStream(responses.sse(kind, rid, body, events, config.model_name, self.tokenizer, tools),
                                     on_close=finish, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            answer = responses.collect(kind, events, rid, body, config.model_name, self.tokenizer)
+            answer = responses.collect(kind, events, rid, body, config.model_name, self.tokenizer, tools)
             return await _collect_unless_gone(request, answer)
         finally:
             await finish()

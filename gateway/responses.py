@@ -21,6 +21,7 @@ from gateway.errors import APIError
 from gateway.logprobs import render as render_logprobs
 from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, SLO, SLO_REQUESTS, TPOT
 from gateway.text_stream import TextStream
+from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
 
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
@@ -36,6 +37,14 @@ class Text:
 
 
 @dataclass(frozen=True)
+class ToolCalls:
+    """The calls a finished generation made (OpenAI's tool_calls), and any text beside them."""
+
+    calls: list[dict]
+    content: str | None
+
+
+@dataclass(frozen=True)
 class Usage:
     usage: dict
 
@@ -47,7 +56,23 @@ class Failed:
     error: dict
 
 
-Event = Text | Usage | Failed
+Event = Text | ToolCalls | Usage | Failed
+
+
+async def _as_tool_calls(events: AsyncIterator[Event], tools: ToolPlan) -> AsyncIterator[Event]:
+    """The text held to its end, then one ToolCalls event if it made calls (else the text
+    as one Text event): a call is only a call once it is whole."""
+    held: list[str] = []
+    async for ev in events:
+        if not isinstance(ev, Text):
+            yield ev
+            continue
+        held.append(ev.text)
+        if ev.finish_reason is None:
+            continue
+        text = "".join(held)
+        calls, content = tools.calls(text) if ev.finish_reason == "stop" else (None, text)
+        yield ToolCalls(calls, content) if calls else Text(text, ev.finish_reason)
 
 
 async def generate_events(kind, body, rid, call, first, prompt_len, started, first_at, endpoint,
@@ -122,12 +147,16 @@ def _record(endpoint: str, status: str, started: float, first_at: float, prompt_
 
 
 async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_name: str,
-              tokenizer: Tokenizer) -> AsyncIterator[bytes]:
-    """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]."""
+              tokenizer: Tokenizer, tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
+    """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]. With tools
+    the text is held to its end and sent as `delta.tool_calls` (or as content, if it holds
+    no call)."""
     base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model_name}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     first = True
+    if tools is not None:
+        events = _as_tool_calls(events, tools)
     async for ev in events:
         if isinstance(ev, Failed):
             yield _data({"error": ev.error})
@@ -135,6 +164,13 @@ async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_nam
         if isinstance(ev, Usage):
             if include_usage:
                 yield _data({**base, "choices": [], "usage": ev.usage})
+            continue
+        if isinstance(ev, ToolCalls):
+            delta = {"role": "assistant", "content": ev.content,
+                     "tool_calls": [{"index": i, **call} for i, call in enumerate(ev.calls)]}
+            yield _data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                              "finish_reason": "tool_calls"}]})
+            first = False
             continue
         logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
         if kind == "chat":
@@ -147,19 +183,30 @@ async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_nam
     yield b"data: [DONE]\n\n"
 
 
-async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer) -> dict:
+async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer,
+                  tools: ToolPlan | None = None) -> dict:
     """The whole answer as one chat.completion / text_completion object; an error event is a 503."""
-    text, finish, usage, logprobs = [], None, None, []
+    text, finish, usage, logprobs, calls = [], None, None, [], None
+    if tools is not None:
+        events = _as_tool_calls(events, tools)
     async for ev in events:
         if isinstance(ev, Failed):
             raise APIError(503, ev.error["message"])
         if isinstance(ev, Usage):
             usage = ev.usage
+        elif isinstance(ev, ToolCalls):
+            calls, finish = ev.calls, "tool_calls"
+            text.append(ev.content or "")
         else:
             text.append(ev.text)
             logprobs += ev.logprobs
             finish = ev.finish_reason or finish
     content = "".join(text)
+    if calls:
+        message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": usage}
     if kind == "completion" and body.echo and isinstance(body.prompt, str):
         content = body.prompt + content
     rendered = render_logprobs(kind, tokenizer, logprobs)
