@@ -15,6 +15,7 @@ from gateway.tools import Tool, ToolChoice
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # per stop string: what is held back of the text (and searched) is this long at most
 MAX_LOGIT_BIAS = 300
+MAX_CHOICES = 16
 
 
 class StreamOptions(BaseModel):
@@ -65,7 +66,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # parallel choices: one prefill, the prompt's KV shared
     user: str | None = None
     ignore_eos: bool = False  # vendor extra (vLLM has it too): generate exactly max_tokens, for benchmarks
     # vendor extra (vLLM has it too): prefix-cache hits only among requests with the same salt

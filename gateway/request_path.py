@@ -155,7 +155,8 @@ class RequestPath:
                                  prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
         started = time.monotonic()
         call = None
-        claims = Claims(tenant, self.admission, len(prompt) + params.max_tokens, len(prompt))
+        n = body.n  # parallel choices: one prefill, the rest start from the decode worker's prefix cache
+        claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt))
         try:
             claims.take(kv_room=router.kv_room(len(prompt)))
         except APIError as e:
@@ -163,36 +164,67 @@ class RequestPath:
             trace.event(rid, "refused", status=e.status, reason=e.reason)
             raise
         trace.event(rid, "admitted")
+        calls: list = []
         try:
-            call, first = await unless_gone(request.receive, self._start(req, claims, endpoint))
+            calls.append(await unless_gone(request.receive, self._start(req, claims, endpoint)))
+            if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
+                calls += await unless_gone(request.receive, self._siblings(req, n, claims.worker.address))
         except ClientGone:  # before its first token: queueing and prefill stop at once
             REQUESTS.labels(endpoint, "cancelled").inc()
             trace.event(rid, "cancelled", before="first_token")
             return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
         finally:
-            if call is None:
+            if len(calls) < n:
+                for call, _ in calls:
+                    call.cancel()
                 claims.release()
         ttft = time.monotonic() - started
         trace.event(rid, "first_token")
         claims.first_token()
         TTFT.observe(ttft)
-        events = responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
-                                           endpoint, self.tokenizer)
+        choices = [responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
+                                             endpoint, self.tokenizer, primary=i == 0)
+                   for i, (call, first) in enumerate(calls)]
 
         async def finish() -> None:  # the end of the answer, however it came
-            await events.aclose()  # its metrics, if its reader stopped before its end
+            for events in choices:
+                await events.aclose()  # its metrics, if its reader stopped before its end
             claims.release()
-            call.cancel()  # a client that left, or a stop string: the decode worker aborts
+            for call, _ in calls:
+                call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
-            return _ReleasingStream(responses.sse(kind, rid, body, events, config.model_name, self.tokenizer, tools),
+            return _ReleasingStream(responses.sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),
                                     on_close=finish, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            answer = responses.collect(kind, events, rid, body, config.model_name, self.tokenizer, tools)
+            answer = responses.collect_all(kind, choices, rid, body, config.model_name, self.tokenizer, tools)
             return await _collect_unless_gone(request, answer)
         finally:
             await finish()
+
+    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str) -> list:
+        """Choices 1..n-1 on the decode worker that holds the first's prompt, prefilled there
+        (no prefill workers: only the prompt's last, partial block is not in its prefix
+        cache); a seeded request's choice i samples with seed + i. Opened at once, their
+        first messages awaited; any refusal fails the whole request."""
+        opened = []
+        try:
+            for i in range(1, n):
+                child = pb.GenerateRequest()
+                child.CopyFrom(req)
+                child.request_id = f"{req.request_id}-{i}"
+                del child.prefill_workers[:]
+                if child.params.HasField("seed"):
+                    child.params.seed = (child.params.seed + i) % 2**63
+                opened.append(asyncio.ensure_future(self._open(address, child)))
+            return list(await asyncio.gather(*opened))
+        except BaseException:
+            for task in opened:
+                task.cancel()
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[0].cancel()
+            raise
 
     async def _start(self, req: pb.GenerateRequest, claims: Claims, endpoint: str):
         """Open the Generate stream on a decode worker and wait for its first message; once

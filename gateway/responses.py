@@ -76,8 +76,10 @@ async def _as_tool_calls(events: AsyncIterator[Event], tools: ToolPlan) -> Async
 
 
 async def generate_events(kind, body, rid, call, first, prompt_len, started, first_at, endpoint,
-                          tokenizer: Tokenizer) -> AsyncIterator[Event]:
-    """Each engine step's text as an event; the last carries finish_reason, then the usage."""
+                          tokenizer: Tokenizer, primary: bool = True) -> AsyncIterator[Event]:
+    """Each engine step's text as an event; the last carries finish_reason, then the usage.
+    `primary`: the choice that records the request's metrics (with n > 1 the others add
+    their completion tokens only)."""
     text = TextStream(tokenizer, body.stop or [])
     msg, completion_tokens, status = first, 0, "cancelled"  # until it ends on its own
     try:
@@ -124,8 +126,11 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
                               "param": None, "code": None})
                 return
     finally:  # however it ends: its own end, an error its reader stopped at, or a client gone
-        _record(endpoint, status, started, first_at, prompt_len, completion_tokens)
-        trace.event(rid, "finished", status=status, completion_tokens=completion_tokens)
+        if primary:
+            _record(endpoint, status, started, first_at, prompt_len, completion_tokens)
+            trace.event(rid, "finished", status=status, completion_tokens=completion_tokens)
+        elif status == "ok":
+            COMPLETION_TOKENS.inc(completion_tokens)
 
 
 def _record(endpoint: str, status: str, started: float, first_at: float, prompt_len: int,
@@ -146,41 +151,94 @@ def _record(endpoint: str, status: str, started: float, first_at: float, prompt_
         SLO_REQUESTS.labels("yes" if SLO.met(first_at - started, tpot) else "no").inc()
 
 
-async def sse(kind: str, rid: str, body, events: AsyncIterator[Event], model_name: str,
+async def sse(kind: str, rid: str, body, choices: list[AsyncIterator[Event]], model_name: str,
               tokenizer: Tokenizer, tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
-    """OpenAI's SSE framing: one chunk per event, usage if asked, then [DONE]. With tools
-    the text is held to its end and sent as `delta.tool_calls` (or as content, if it holds
-    no call)."""
+    """OpenAI's SSE framing: one chunk per event of each choice (its `index`), the usage if
+    asked (the prompt counted once), then [DONE]. With tools the text is held to its end
+    and sent as `delta.tool_calls` (or as content, if it holds no call)."""
     base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model_name}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    first = True
+    started: set[int] = set()
+    usages: list[dict] = []
     if tools is not None:
-        events = _as_tool_calls(events, tools)
-    async for ev in events:
+        choices = [_as_tool_calls(events, tools) for events in choices]
+    async for index, ev in _interleaved(choices):
         if isinstance(ev, Failed):
             yield _data({"error": ev.error})
             break
         if isinstance(ev, Usage):
-            if include_usage:
-                yield _data({**base, "choices": [], "usage": ev.usage})
+            usages.append(ev.usage)
+            if include_usage and len(usages) == len(choices):
+                yield _data({**base, "choices": [], "usage": _total(usages)})
             continue
+        first = index not in started
+        started.add(index)
         if isinstance(ev, ToolCalls):
             delta = {"role": "assistant", "content": ev.content,
                      "tool_calls": [{"index": i, **call} for i, call in enumerate(ev.calls)]}
-            yield _data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+            yield _data({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
                                               "finish_reason": "tool_calls"}]})
-            first = False
             continue
         logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
         if kind == "chat":
             delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         else:
-            choice = {"index": 0, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
-        first = False
+            choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
         yield _data({**base, "choices": [choice]})
     yield b"data: [DONE]\n\n"
+
+
+async def _interleaved(choices: list[AsyncIterator[Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """(index, event) from every choice as each comes; one choice alone is read directly."""
+    if len(choices) == 1:
+        async for ev in choices[0]:
+            yield 0, ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events: AsyncIterator[Event]) -> None:
+        try:
+            async for ev in events:
+                await queue.put((index, ev))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, events)) for i, events in enumerate(choices)]
+    try:
+        running = len(tasks)
+        while running:
+            index, ev = await queue.get()
+            if ev is None:
+                running -= 1
+                continue
+            yield index, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _total(usages: list[dict]) -> dict:
+    """One request's usage over its choices: the prompt (and its cached part) once."""
+    total = dict(usages[0])
+    total["completion_tokens"] = sum(u["completion_tokens"] for u in usages)
+    total["total_tokens"] = total["prompt_tokens"] + total["completion_tokens"]
+    return total
+
+
+async def collect_all(kind, choices: list[AsyncIterator[Event]], rid, body, model_name: str, tokenizer: Tokenizer,
+                      tools: ToolPlan | None = None) -> dict:
+    """Every choice collected (at once), as one response: choices by index, usage totalled."""
+    if len(choices) == 1:
+        return await collect(kind, choices[0], rid, body, model_name, tokenizer, tools)
+    answers = await asyncio.gather(*(collect(kind, events, rid, body, model_name, tokenizer, tools)
+                                     for events in choices))
+    merged = answers[0]
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    merged["usage"] = _total([a["usage"] for a in answers])
+    return merged
 
 
 async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer,

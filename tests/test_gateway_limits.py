@@ -26,7 +26,7 @@ from tests.worker_procs import REPO, start_workers, wait_idle, wait_until
     ({"model": "smollm2", "messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
     ({"model": "smollm2", "messages": CHAT, "max_tokens": 10**9}, 400, "max_tokens"),
     ({"model": "smollm2", "messages": []}, 400, "messages"),
-    ({"model": "smollm2", "messages": CHAT, "n": 2}, 400, "n"),
+    ({"model": "smollm2", "messages": CHAT, "n": 17}, 400, "n"),  # over MAX_CHOICES
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": CHAT, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": CHAT, "stop": "x" * 60_000}, 400, "stop"),  # held back and searched per token
