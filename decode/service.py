@@ -10,6 +10,7 @@ import grpc
 
 from decode.worker import DecodeWorker
 from engine import trace
+from engine.grammar import GrammarError
 from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -31,9 +32,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids))
         try:
             params = params_from_pb(request.params)
-            self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
+        try:
+            self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
+        except GrammarError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}")
         out: queue.SimpleQueue = queue.SimpleQueue()
         prompt = list(request.prompt_token_ids)
         prefill = self.worker.proven_prefill_workers(list(request.prefill_workers), PROVE_TIMEOUT_S)

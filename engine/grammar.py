@@ -15,8 +15,8 @@ worker's matcher catches up from `output_token_ids`.
 The grammar's stop tokens are the model's EOS ids: once the JSON is complete only they are
 allowed, and the scheduler ends the request on the EOS as on any other.
 
-xgrammar is imported on first use (about a second): a process that never serves a schema
-never loads it.
+xgrammar (and with it torch) is imported on first use, about a second: a process that
+never serves a schema never loads it, and the gateway, which only reads `Grammar`, never does.
 """
 
 from __future__ import annotations
@@ -27,15 +27,20 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and xgrammar load on first use: the gateway imports this module for Grammar alone
+    import torch
 
 log = logging.getLogger(__name__)
 
 MAX_SCHEMA_CHARS = 64 * 1024  # a bound on what one request may ask the compiler to build
 _CACHE_SIZE = 256  # compiled grammars kept per process (least recently used dropped)
+COMPILE_TIMEOUT_S = 10.0  # schemas take milliseconds: a bound on a pathological one, not an expectation
 
 
 class GrammarError(ValueError):
@@ -98,7 +103,7 @@ class Matcher:
         self._seen = 0  # output tokens accepted so far
         self.broken = False  # a token the grammar refused reached the output: left unconstrained
 
-    def fill(self, output_token_ids: Sequence[int], bitmask: torch.Tensor, row: int) -> bool:
+    def fill(self, output_token_ids: Sequence[int], bitmask: "torch.Tensor", row: int) -> bool:
         """Accept the output tokens not seen yet, then write the tokens allowed next into
         `bitmask[row]`. False (and the row left alone) if the grammar refused a token: the
         request then runs unconstrained, which only a bug elsewhere can cause."""
@@ -137,6 +142,7 @@ class Grammars:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._cache: OrderedDict[Grammar, object] = OrderedDict()
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         from importlib.metadata import version
 
         log.info("grammars: xgrammar %s, %s vocabulary of %d tokens, stop tokens %s", version("xgrammar"),
@@ -158,13 +164,20 @@ class Grammars:
         spec = json.loads(path.read_text(encoding="utf-8"))
         return cls(encoded, _vocab_type(spec), size, stop_token_ids, _add_prefix_space(spec))
 
-    def compile(self, grammar: Grammar):
-        """The compiled grammar (cached); GrammarError naming what is wrong with the schema."""
+    def compile(self, grammar: Grammar, timeout_s: float | None = None):
+        """The compiled grammar (cached); GrammarError naming what is wrong with the schema,
+        or saying it did not compile within `timeout_s` (the compile goes on in the
+        background, into the cache, on one of two threads: it cannot be interrupted)."""
         with self._lock:
             hit = self._cache.get(grammar)
             if hit is not None:
                 self._cache.move_to_end(grammar)
                 return hit
+        if timeout_s is not None:
+            try:
+                return self._pool.submit(self.compile, grammar).result(timeout_s)
+            except FutureTimeout:
+                raise GrammarError(f"schema did not compile within {timeout_s:g}s; simplify or split it") from None
         try:
             json.loads(grammar.json_schema)
         except ValueError as e:
@@ -184,18 +197,18 @@ class Grammars:
         return Matcher(self._xgr.GrammarMatcher(self.compile(grammar)), self.vocab_size)
 
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
 def allowed_next(matchers: list[Matcher], outputs: list[Sequence[int]],
-                 vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
+                 vocab_size: int) -> tuple[list[int], "torch.Tensor"] | None:
     """The tokens each matcher allows next, after catching up with its request's output:
     (indices into `matchers` that constrain this step, [len(indices), vocab_size] bool);
     None if none does (a matcher whose grammar refused a token constrains nothing)."""
+    import torch
+
     words = -(-max(m.vocab_size for m in matchers) // 32)
     bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
     rows = [i for i, (m, out) in enumerate(zip(matchers, outputs)) if m.fill(out, bitmask, i)]
     if not rows:
         return None
-    bits = (bitmask[rows].unsqueeze(-1) >> _SHIFTS) & 1  # [rows, words, 32]: bit j of word w is token 32w + j
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]: bit j of word w is token 32w + j
     return rows, bits.view(len(rows), -1)[:, :vocab_size].bool()

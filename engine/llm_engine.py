@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from engine.grammar import GrammarError, Grammars
+from engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
@@ -184,9 +184,10 @@ class LLMEngine:
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar into the cache now (any thread: a worker's RPC
         thread does, so the loop's add_request never waits on a compile). GrammarError (a
-        ValueError) names what is wrong with the schema."""
+        ValueError) names what is wrong with the schema, or that it took longer than
+        COMPILE_TIMEOUT_S."""
         if params.grammar is not None:
-            self.grammars.compile(params.grammar)
+            self.grammars.compile(params.grammar, COMPILE_TIMEOUT_S)
 
     # -- what workers ask of the scheduler and the KV manager --------------------------------
 

@@ -37,7 +37,6 @@ from gateway.readiness import Readiness
 from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.router import Router
-from gateway.structured import DEFAULT_COMPILE_TIMEOUT_S
 from gateway.tenants import Tenants
 from gateway.tools import ToolPlan, render_messages
 from rpc import pdserve_pb2 as pb
@@ -62,7 +61,6 @@ class GatewayConfig:
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
     admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
     admin_port: int | None = None  # the loopback socket that alone serves /admin/* (gateway/admin_listener.py)
-    grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S  # a response_format schema slower is a 400
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

@@ -23,7 +23,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine import trace
-from engine.grammar import Grammar
 from engine.tokenizer import Tokenizer
 from gateway import responses
 from gateway.admission import Admission, Ticket
@@ -34,7 +33,6 @@ from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
-from gateway.structured import GrammarCheck
 from gateway.tenants import Tenant
 from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
@@ -121,8 +119,6 @@ class RequestPath:
     def __init__(self, config, router: Router, backend: Backend, admission: Admission, tokenizer: Tokenizer):
         self.config, self.router, self.backend = config, router, backend
         self.admission, self.tokenizer = admission, tokenizer
-        self.grammars = GrammarCheck(config.model_path, tokenizer.vocab_size, sorted(tokenizer.eos_token_ids),
-                                     config.grammar_compile_timeout_s)
 
     def max_prompt(self) -> int:
         return max_prompt_tokens(self.config.max_model_len, self.config.max_prompt_tokens)
@@ -140,9 +136,6 @@ class RequestPath:
                 raise APIError(400, 'response_format cannot be combined with tool_choice "required" or a named '
                                     "function: the output is the call", "response_format")
             params.grammar.CopyFrom(pb.Grammar(json_schema=tools.grammar.json_schema, strict=tools.grammar.strict))
-        if params.HasField("grammar"):  # a bad schema is a 400 here, before admission and any worker
-            await self.grammars.check(Grammar(params.grammar.json_schema, params.grammar.strict),
-                                      "tools" if tools is not None and tools.grammar is not None else "response_format")
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         set_request_id(request, rid)
         client_id = client_request_id(request)
@@ -166,7 +159,12 @@ class RequestPath:
         trace.event(rid, "admitted")
         calls: list = []
         try:
-            calls.append(await unless_gone(request.receive, self._start(req, claims, endpoint)))
+            try:
+                calls.append(await unless_gone(request.receive, self._start(req, claims, endpoint)))
+            except APIError as e:  # the decode worker's compile refused the schema: name the parameter
+                if e.status == 400 and ": grammar: " in e.message:
+                    e.param = "tools" if tools is not None and tools.grammar is not None else "response_format"
+                raise
             if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
                 calls += await unless_gone(request.receive, self._siblings(req, n, claims.worker.address))
         except ClientGone:  # before its first token: queueing and prefill stop at once

@@ -181,6 +181,7 @@ def test_bad_response_formats_are_400s_naming_the_problem(system):
     for response_format, why in cases:
         r = httpx.post(f"{url}/v1/chat/completions", json={**base, "response_format": response_format}, timeout=60)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (response_format, r.text)
+        assert r.json()["error"]["param"].startswith("response_format"), r.text
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                    json={**base, "ignore_eos": True, "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "ignore_eos", r.text

@@ -107,6 +107,7 @@ def test_what_cannot_be_served_is_a_400_naming_it(system):
     for extra, why in cases:
         r = httpx.post(f"{url}/v1/chat/completions", json={**base, **extra}, timeout=60)
         assert r.status_code == 400 and why in r.json()["error"]["message"], (extra, r.text)
+        assert r.json()["error"]["param"] in ("tools", "tool_choice", "response_format"), r.text
 
 
 HERMES_TEMPLATE = (
