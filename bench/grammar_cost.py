@@ -5,7 +5,7 @@
 1. The grammar engines side by side on SmolLM2's vocabulary (49152 tokens): the time to
    compile each schema of a set (nested objects, arrays, enums, bounded numbers, a 20-field
    object), and the time to fill the next-token masks of 1 and 32 requests in the middle of
-   a document. xgrammar (what pdserve uses) always; llguidance and outlines-core when they
+   a document (in a short string and in a long one). xgrammar (what pdserve uses) always; llguidance and outlines-core when they
    are installed (`pip install llguidance outlines-core`: neither is a dependency).
 2. The engine: a decode step at batch 1 and 32 with every request under a JSON schema,
    beside the same batch unconstrained, alternated in the same run (ms/step and ratio).
@@ -41,8 +41,11 @@ SCHEMAS = {
     "wide": {"type": "object", "properties": {f"field_{i}": {"type": ["string", "integer", "boolean"]}
                                               for i in range(20)}},
 }
-# Where the masks are filled: inside a string value, the hardest place (most tokens allowed).
-DOCUMENT = '{"person": {"name": "Ann Lee'
+# Where the masks are filled: inside a short string value of `nested` (most tokens allowed),
+# and inside a long free-text one.
+STORY = {"type": "object", "properties": {"story": {"type": "string", "maxLength": 400}}, "required": ["story"]}
+PLACES = {"short string": (SCHEMAS["nested"], '{"person": {"name": "Ann Lee'),
+          "long string": (STORY, '{"story": "Once upon a time there was')}
 
 
 def _say(message: str) -> None:
@@ -59,22 +62,30 @@ def _median_ms(fn, repeat: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
-def _xgrammar(folder, vocab_size: int, eos: list[int], prefix: list[int]) -> dict:
+def _xgrammar(folder, vocab_size: int, eos: list[int], prefixes: dict) -> dict:
     grammars = Grammars.from_folder(folder, vocab_size, eos)
     out = {"compile_ms": {}}
     for name, schema in SCHEMAS.items():
         t0 = time.perf_counter()
         grammars.compile(Grammar(json.dumps(schema)))
         out["compile_ms"][name] = (time.perf_counter() - t0) * 1e3
-    grammar = Grammar(json.dumps(SCHEMAS["nested"]))
-    for batch in (1, 32):
-        matchers = [grammars.matcher(grammar) for _ in range(batch)]
-        allowed_next(matchers, [prefix] * batch, vocab_size)  # each matcher at the document's place
-        out[f"mask_ms_batch{batch}"] = _median_ms(lambda: allowed_next(matchers, [prefix] * batch, vocab_size))
+    for place, (schema, prefix) in prefixes.items():
+        grammar = Grammar(json.dumps(schema))
+        for batch in (1, 32):
+            matchers = [grammars.matcher(grammar) for _ in range(batch)]
+            allowed_next(matchers, [prefix] * batch, vocab_size)  # each matcher at the document's place
+            bitmask = torch.full((batch, -(-vocab_size // 32)), -1, dtype=torch.int32)
+
+            def fill():
+                for i, m in enumerate(matchers):
+                    m.fill(prefix, bitmask, i)
+            out[f"fill_ms_{place}_batch{batch}"] = _median_ms(fill)
+            if place == "short string":  # the fill, plus unpacking into the sampler's bool mask
+                out[f"mask_ms_batch{batch}"] = _median_ms(lambda: allowed_next(matchers, [prefix] * batch, vocab_size))
     return out
 
 
-def _llguidance(folder, vocab_size: int, prefix: list[int]) -> dict | None:
+def _llguidance(folder, vocab_size: int, prefixes: dict) -> dict | None:
     try:
         import llguidance
         import llguidance.hf
@@ -91,21 +102,22 @@ def _llguidance(folder, vocab_size: int, prefix: list[int]) -> dict | None:
         out["compile_ms"][name] = (time.perf_counter() - t0) * 1e3
         if m.is_error():
             out["compile_ms"][name] = f"error: {m.get_error()}"
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMAS["nested"]))
-    for batch in (1, 32):
-        matchers = [llguidance.LLMatcher(tok, grammar) for _ in range(batch)]
-        for m in matchers:
-            m.consume_tokens(prefix)
-        mask = llguidance.torch.allocate_token_bitmask(batch, vocab_size)
+    for place, (schema, prefix) in prefixes.items():
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+        for batch in (1, 32):
+            matchers = [llguidance.LLMatcher(tok, grammar) for _ in range(batch)]
+            for m in matchers:
+                m.consume_tokens(prefix)
+            mask = llguidance.torch.allocate_token_bitmask(batch, vocab_size)
 
-        def fill():
-            for i, m in enumerate(matchers):
-                llguidance.torch.fill_next_token_bitmask(m, mask, i)
-        out[f"mask_ms_batch{batch}"] = _median_ms(fill)
+            def fill():
+                for i, m in enumerate(matchers):
+                    llguidance.torch.fill_next_token_bitmask(m, mask, i)
+            out[f"fill_ms_{place}_batch{batch}"] = _median_ms(fill)
     return out
 
 
-def _outlines(folder, vocab_size: int, eos: int, prefix: list[int]) -> dict | None:
+def _outlines(folder, vocab_size: int, eos: int, prefixes: dict) -> dict | None:
     try:
         from outlines_core import Guide, Index, Vocabulary
         from outlines_core.json_schema import build_regex_from_schema
@@ -128,18 +140,21 @@ def _outlines(folder, vocab_size: int, eos: int, prefix: list[int]) -> dict | No
             out["compile_ms"][name] = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # noqa: BLE001 (a schema it does not take is a finding)
             out["compile_ms"][name] = f"error: {e}"[:120]
-    if "nested" not in indexes:
-        return out
-    for batch in (1, 32):
-        guides = [Guide(indexes["nested"]) for _ in range(batch)]
-        for g in guides:
-            for t in prefix:
-                g.advance(t)
-
-        def fill():
+    indexes["long string"] = Index(build_regex_from_schema(json.dumps(STORY)), vocabulary)
+    for place, (_, prefix) in prefixes.items():
+        index = indexes.get("nested" if place == "short string" else place)
+        if index is None:
+            continue
+        for batch in (1, 32):
+            guides = [Guide(index) for _ in range(batch)]
             for g in guides:
-                torch.tensor(g.get_tokens(), dtype=torch.int64)  # the allowed ids, as a mask needs them
-        out[f"mask_ms_batch{batch}"] = _median_ms(fill)
+                for t in prefix:
+                    g.advance(t)
+
+            def fill():
+                for g in guides:
+                    torch.tensor(g.get_tokens(), dtype=torch.int64)  # the allowed ids, as a mask needs them
+            out[f"fill_ms_{place}_batch{batch}"] = _median_ms(fill)
     return out
 
 
@@ -178,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     folder = resolve_model("smollm2")
     llm = LLM("smollm2", dtype=args.dtype)
     cfg = ModelConfig.from_pretrained(folder)
-    prefix = llm.tokenizer.encode(DOCUMENT, add_special_tokens=False)
+    prefix = {place: (schema, llm.tokenizer.encode(text, add_special_tokens=False))
+              for place, (schema, text) in PLACES.items()}
     _say(f"grammar engines on {host}")
     engines = {"xgrammar": _xgrammar(folder, cfg.vocab_size, list(cfg.eos_token_ids), prefix),
                "llguidance": _llguidance(folder, cfg.vocab_size, prefix),
