@@ -87,6 +87,30 @@ def test_a_matcher_catches_up_from_the_output_however_it_arrives(smollm2_dir, ll
     assert allowed_next([grammars.matcher(grammar)], [[cfg.eos_token_ids[0]]], cfg.vocab_size) is None  # refused
 
 
+def test_outputs_still_follow_their_schema_through_preemption_and_recompute(smollm2_dir):
+    """A KV pool too small for the batch: requests are preempted, their KV dropped and
+    recomputed from prompt + output; their matchers meet the same output again."""
+    from engine.llm import LLM
+
+    small = LLM(str(smollm2_dir), dtype="float32", num_kv_blocks=24, max_num_seqs=8)
+    grammar = Grammar(json.dumps(NESTED))
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, grammar=grammar) for s in range(6)]
+    outs = small.chat([[{"role": "user", "content": f"{ASK} ({i})"}] for i in range(6)], params)
+    assert small.engine.stats().num_preemptions > 0  # the case under test happened
+    for out in outs:
+        assert out.finish_reason.value == "stop", out.text
+        _check(out.text, NESTED)
+
+
+def test_a_compile_past_its_bound_is_refused_not_waited_for(smollm2_dir, llm):
+    cfg = llm.engine.model.cfg
+    grammars = Grammars.from_folder(smollm2_dir, cfg.vocab_size, cfg.eos_token_ids)
+    wide = {"type": "object", "properties": {f"f{i}": {"type": "string", "pattern": "[a-z]{2,9}@[a-z]+\\.(com|org)"}
+                                             for i in range(40)}}
+    with pytest.raises(ValueError, match="did not compile within"):
+        grammars.compile(Grammar(json.dumps(wide)), timeout_s=1e-4)
+
+
 def test_bad_schemas_and_combinations_are_refused_in_the_engine(smollm2_dir, llm):
     cfg = llm.engine.model.cfg
     grammars = Grammars.from_folder(smollm2_dir, cfg.vocab_size, cfg.eos_token_ids)
