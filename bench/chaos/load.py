@@ -15,6 +15,7 @@ from bench.chaos.sizes import MAX_TTFT_S
 from bench.serving import percentile
 
 PROBE_CLIENTS = 32
+MIN_PROBE_SERVED = 4  # requests served in the probe's second half for its rate to mean anything
 
 LEAVE_KINDS = ("after send", "after first token", "mid-stream", "non-stream after send")
 
@@ -62,20 +63,27 @@ async def overload(ctx: Chaos) -> Result:
     res, dep, s, rng = Result("overload-5x", fault=True, no_5xx=True), ctx.dep, ctx.sizes, ctx.rng
     rss_before = await asyncio.to_thread(dep.rss_mb)
     async with client() as http:
-        t0, probe = time.monotonic(), []
-
-        async def closed_loop() -> None:  # enough clients to saturate it; a 429 backs off a little
-            while time.monotonic() - t0 < s.probe_s:
+        async def closed_loop(t0: float, probe_s: float, probe: list) -> None:
+            """Enough clients to saturate it; a 429 backs off a little."""
+            while time.monotonic() - t0 < probe_s:
                 probe.append(rec := await send(http, dep.url, completion(64, 16, rng)))
                 if rec.status == 429:
                     await asyncio.sleep(0.2)
 
-        await asyncio.gather(*(closed_loop() for _ in range(PROBE_CLIENTS)))
         # The served rate once the pipeline is full: in a closed loop, requests are sent as
         # fast as they are served, so those sent (and served) in the second half, over it.
-        half = t0 + s.probe_s / 2
-        served = sum(r.outcome is Outcome.COMPLETED and r.sent_at >= half for r in probe)
-        capacity = served / (s.probe_s / 2)
+        # A window too short for this host to serve MIN_PROBE_SERVED in its second half
+        # measures nothing: it doubles (up to 8x), so a slow host gets the time it needs.
+        probe_s = s.probe_s
+        while True:
+            t0, probe = time.monotonic(), []
+            await asyncio.gather(*(closed_loop(t0, probe_s, probe) for _ in range(PROBE_CLIENTS)))
+            half = t0 + probe_s / 2
+            served = sum(r.outcome is Outcome.COMPLETED and r.sent_at >= half for r in probe)
+            if served >= MIN_PROBE_SERVED or probe_s >= 8 * s.probe_s:
+                break
+            probe_s *= 2
+        capacity = served / (probe_s / 2)
         probe_shed = sum(r.status == 429 for r in probe)
         rate = 5 * max(capacity, 0.2)
         arrivals, at = [], 0.0
@@ -103,7 +111,7 @@ async def overload(ctx: Chaos) -> Result:
     if ttft_p90 is not None and ttft_p90 > MAX_TTFT_S:
         res.slow.append(f"admitted TTFT p90 {ttft_p90:.2f}s is over the {MAX_TTFT_S:.0f}s bound")
     rss_after = await asyncio.to_thread(dep.rss_mb)
-    res.figures.update(capacity_rps=round(capacity, 2), probe_429=probe_shed, offered_rps=round(rate, 2),
+    res.figures.update(capacity_rps=round(capacity, 2), probe_s=probe_s, probe_429=probe_shed, offered_rps=round(rate, 2),
                        ttft_p90_s=ttft_p90,
                        ttft_bound_s=MAX_TTFT_S, rejected=len(shed), time_to_429_p99_s=shed_p99,
                        rejected_by=dict(Counter(r.code for r in shed)), rss_mb_before=rss_before,
