@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from bench.cpu_attention import median_seconds
 from engine.config import ModelConfig
 from engine.grammar import Grammar, Grammars, allowed_next
 from engine.llm import LLM
@@ -52,14 +53,8 @@ def _say(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def _median_ms(fn, repeat: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def _median_ms(fn) -> float:
+    return median_seconds(fn, repeat=20) * 1e3
 
 
 def _xgrammar(folder, vocab_size: int, eos: list[int], prefixes: dict) -> dict:

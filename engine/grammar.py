@@ -122,10 +122,6 @@ class Matcher:
         self._m.fill_next_token_bitmask(bitmask, row)
         return True
 
-    @property
-    def is_terminated(self) -> bool:
-        return self._m.is_terminated()
-
 
 class Grammars:
     """The compiler for one tokenizer and its cache of compiled grammars (thread-safe: RPC

@@ -140,11 +140,6 @@ class ToolPlan:
         rest = _HERMES.sub("", text).strip()
         return calls, rest or None
 
-    @property
-    def constrained(self) -> bool:
-        """The whole output is a call (no content text to stream as it comes)."""
-        return self.mode in ("named", "required")
-
 
 def _parses(text: str) -> bool:
     try:

@@ -59,6 +59,18 @@ def client(system):
 
 
 @pytest.fixture(scope="session")
+def aggregated(system, smollm2_dir, tmp_path_factory):
+    """The official client on an aggregated deployment: a gateway with no prefill worker over
+    `system`'s decode worker, which then prefills locally."""
+    from openai import OpenAI
+
+    from tests.gateway_procs import gateway
+
+    with gateway(smollm2_dir, [system[2].address], [], tmp_path_factory.mktemp("agg") / "gateway.log") as url:
+        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def libraries(tmp_path_factory):
     """The native kernel library built for every ISA level this host runs, by level
     (tests/test_kernels_native*.py check each against the torch references); built once a

@@ -134,16 +134,6 @@ class Person(BaseModel):
     colors: list[Literal["red", "green", "blue"]] = Field(max_length=3)
 
 
-@pytest.fixture(scope="module")
-def aggregated(system, smollm2_dir, tmp_path_factory):
-    """A gateway with no prefill worker over the deployment's decode worker: it prefills locally."""
-    from tests.gateway_procs import gateway
-
-    _, _, decode = system
-    with gateway(smollm2_dir, [decode.address], [], tmp_path_factory.mktemp("agg") / "gateway.log") as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 @pytest.fixture(params=["1P+1D", "aggregated"])
 def api(request, system, client):
     if request.param == "aggregated":

@@ -29,18 +29,6 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
-@pytest.fixture(scope="module")
-def aggregated(system, smollm2_dir, tmp_path_factory):
-    """A gateway with no prefill worker over the deployment's decode worker: it prefills locally."""
-    from openai import OpenAI
-
-    from tests.gateway_procs import gateway
-
-    _, _, decode = system
-    with gateway(smollm2_dir, [decode.address], [], tmp_path_factory.mktemp("agg") / "gateway.log") as url:
-        yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 @pytest.fixture(params=["1P+1D", "aggregated"])
 def api(request, client):
     return request.getfixturevalue("aggregated") if request.param == "aggregated" else client
