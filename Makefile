@@ -4,7 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
-PYTEST_ARGS ?= -q
+# Two pytest workers, whole files each: the suite mostly waits on the processes it starts.
+PYTEST_ARGS ?= -q -n 2 --dist loadfile
 MODEL  ?= smollm2
 
 SLOW_FACTOR ?= 3
@@ -37,7 +38,7 @@ test: $(STAMP)
 # The chaos and deploy tests on a host made SLOW_FACTOR times slower: every engine step of
 # every worker stretched (PDSERVE_FAULT_SLOW_FACTOR). Slower answers and 429s, never 5xx.
 test-slow: $(STAMP)
-	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py tests/test_deploy_security.py"
+	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py tests/test_deploy_planner.py tests/test_deploy_security.py"
 
 bench: $(STAMP)
 	$(PY) -m bench.offline

@@ -13,6 +13,16 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # One torch thread per process: the machine's two cores are shared by everything.
 torch.set_num_threads(1)
 
+# `make test` runs two pytest-xdist workers, each taking whole files (module fixtures are
+# shared within a file). The longest files go first, split between the workers at the
+# start, so that none of them starts last and finishes alone.
+LONGEST_FIRST = ("test_deploy_planner.py", "test_chaos.py", "test_deploy.py", "test_deploy_security.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
