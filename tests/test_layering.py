@@ -72,3 +72,22 @@ def test_nothing_outside_the_engine_reaches_into_it():
                             (isinstance(owner, ast.Attribute) and owner.attr == "engine"):
                         wrong.append(f"{path.relative_to(REPO)}:{node.lineno} .engine.{node.attr}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_installed_distribution_claims_one_of_our_import_names():
+    """Our top-level packages are import names on sys.path; an installed distribution with
+    the same top-level name (Hugging Face's `kernels`, which transformers 5.25 requires and
+    imports) would shadow one of them, or be shadowed, depending on sys.path order."""
+    from importlib import metadata
+
+    ours = set(ALLOWED) | {"bench"}
+    claims = {}
+    for dist in metadata.distributions():
+        name = dist.metadata["Name"]
+        if name is None or name.lower() == "pdserve":
+            continue
+        top = (dist.read_text("top_level.txt") or "").split()
+        top += [f.parts[0] for f in (dist.files or []) if len(f.parts) > 1 and f.parts[1] == "__init__.py"]
+        for package in ours & set(top):
+            claims.setdefault(package, set()).add(name)
+    assert not claims, f"installed distributions claim our import names: {claims} (pin them out in pyproject.toml)"
