@@ -5,10 +5,10 @@ side in one run: the linears (bf16 and float32), and the row-wise ops between th
 
 Linears: a whole model's worth of distinct weights (SmolLM2-135M: 30 layers of
 qkv 576->960, o 576->576, gate|up 576->3072, down 1536->576, and the 576->49152 LM head),
-so each pass streams every weight from memory as a decode step does; x of 1 to 256 rows.
+so each pass streams every weight from memory as a decode step does; x of 1 to 512 rows.
 Each matmul kernel the host runs: bf16 oneDNN's packed weights (kernels/linear.py),
 F.linear, the native AVX512-BF16 dot kernel and the native AMX one (kernels/csrc/
-gemv_bf16.cpp, amx_bf16.cpp); float32 F.linear and the native FMA-tile one (gemm_f32.cpp). GB/s is weight bytes per second, against this machine's read bandwidth
+gemv_bf16.cpp, amx_bf16.cpp), the native FMA tiles over widened bf16 (gemm_f32.cpp); float32 F.linear and the native FMA-tile one (gemm_f32.cpp). GB/s is weight bytes per second, against this machine's read bandwidth
 (a sum over a 256 MiB tensor) measured in the same run. Row-wise ops: RMS norm with its
 residual add, rotary over the q|k heads of a qkv row, SiLU-and-multiply, at 1, 32 and 512
 rows, in float32 and bfloat16, torch reference vs native (kernels/csrc/norm_act.cpp).
@@ -32,7 +32,7 @@ from kernels.host import cpu
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 HEAD = (576, 49152)
 LAYERS = 30
-ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def read_bandwidth() -> float:
@@ -54,8 +54,9 @@ def linears(lib, dtype: torch.dtype) -> list[dict]:
     elif caps.onednn_bf16:
         packs["oneDNN"] = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in weights]
         kernels["oneDNN"] = lambda x, w, packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    if dtype == torch.bfloat16 and (caps.avx512_bf16 or caps.amx_bf16):
-        packs["native"] = [native.pack_matmul_weight(w, "dots") for w in weights]  # one layout for both
+    if dtype == torch.bfloat16 and native.isa_level() != "generic":
+        packs["native"] = [native.pack_matmul_weight(w, "dots") for w in weights]  # one layout for all three
+        kernels["native fma_bf16"] = lambda x, w, packed: native.matmul(lib, x, packed, None, "fma_bf16")
     if dtype == torch.bfloat16 and caps.avx512_bf16:
         kernels["native dots"] = lambda x, w, packed: native.matmul(lib, x, packed, None, "dots")
     if dtype == torch.bfloat16 and caps.amx_bf16:

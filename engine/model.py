@@ -26,6 +26,8 @@ class Linear(nn.Linear):
 
     def pack(self, library=None) -> None:
         self.packed = kernels.linear.pack_weight(self.weight, library)
+        if self.packed is not None and self.packed.serves_every_x:
+            self.weight = None  # one copy of the weights in memory, not two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear.linear(x, self.weight, self.bias, self.packed)
@@ -126,7 +128,8 @@ class CausalLM(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     def prepare(self) -> None:
-        """After the weights are loaded: pack matmul weights for the CPU kernels."""
+        """After the weights are loaded: pack matmul weights for the CPU kernels (a layer whose
+        packed copies serve every row count then drops its unpacked weight)."""
         library = self.ops.library() if hasattr(self.ops, "library") else None  # the native op set's
         for module in self.layers.modules():
             if isinstance(module, Linear):

@@ -7,8 +7,11 @@ AVX-512 (avx512bw/vl/dq), so an AVX2-only CPU keeps `F.linear`, as do fp32, CUDA
 torch without oneDNN. Where the native library is loaded, the weight is also packed for a
 native small-batch kernel: bf16 on AMX tiles (kernels/csrc/amx_bf16.cpp) or AVX512-BF16
 dots (gemv_bf16.cpp), which stream the weights closer to memory bandwidth than oneDNN does
-at decode batch sizes; float32 on FMA register tiles (gemm_f32.cpp), AVX-512 or AVX2.
-`linear` takes the native kernel up to MAX_ROWS[kernel] rows, oneDNN or F.linear above.
+at decode batch sizes; float32 on FMA register tiles (gemm_f32.cpp), AVX-512 or AVX2, and
+bf16 on the same tiles where the CPU has no bf16 dot product (weights widened in registers).
+`linear` takes the native kernel up to MAX_ROWS[kernel] rows, oneDNN above where it is
+packed, else the native kernel in slices; once packed copies serve every row count the
+model drops the unpacked weight (a float32 SmolLM2 worker: ~0.5 GB less).
 The choices and their reasons are logged once per process.
 """
 
@@ -30,7 +33,9 @@ from kernels.host import cpu, log_choice
 # 1.10x at 512 (prefill chunks too). float32 FMA tiles vs F.linear 1.04x at 1, 2x at 4-8,
 # 1.4x at 32, 1.13x at 256 (AMX host); 1.47x at 256 and 512 on AMD Zen 5, where F.linear's
 # fp32 GEMM runs at ~0.6x of the FMA peak (prefill chunks: the default token budget).
-MAX_ROWS = {"amx": 128, "dots": 512, "f32": 512}
+# bf16 FMA tiles (no bf16 hardware) vs oneDNN's emulated bf16: 1.5x at 1 row, 4x at 16-256,
+# 3.6x at 512 (Intel AVX-512 without AVX512-BF16): they take every row count, in slices.
+MAX_ROWS = {"amx": 128, "dots": 512, "f32": 512, "fma_bf16": 512}
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,15 @@ class PackedWeight:
 
     @property
     def native_rows(self) -> int:
-        """The most rows of x the native kernel takes (0: none)."""
+        """The most rows of x the native kernel takes in one call (0: none); more go to
+        oneDNN where it is packed, else to the native kernel in slices of this many."""
         return MAX_ROWS[self.kernel] if self.native is not None else 0
+
+    @property
+    def serves_every_x(self) -> bool:
+        """Whether these copies take x of any row count (of the weight's dtype, rows
+        contiguous), so that the unpacked weight need not be kept beside them."""
+        return self.onednn is not None or self.native is not None
 
 
 def native_kernel(dtype: torch.dtype) -> tuple[str | None, str]:
@@ -57,7 +69,9 @@ def native_kernel(dtype: torch.dtype) -> tuple[str | None, str]:
             return "amx", "this CPU has AMX-BF16"
         if caps.avx512_bf16:
             return "dots", "this CPU has AVX512-BF16 (no AMX)"
-        return None, f"bf16 dots need AVX512-BF16 and this CPU has {caps.isa}"
+        if native.isa_level() != "generic":
+            return "fma_bf16", f"no bf16 dot product on this CPU ({caps.isa}): bf16 widened onto FMA tiles"
+        return None, f"no bf16 dot product and no AVX2 or AVX-512 on this CPU ({caps.isa})"
     if dtype == torch.float32:
         if native.isa_level() == "generic":
             return None, "no AVX2 or AVX-512 on this CPU"
@@ -83,8 +97,18 @@ def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> Pac
     `library`: the native library (kernels.native_ops.library()), for the small-batch kernels."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
+    kernel, why = native_kernel(weight.dtype)
+    packed = native.pack_matmul_weight(weight, kernel) if library is not None and kernel is not None else None
+    dtype = str(weight.dtype).removeprefix("torch.")
+    if packed is not None:
+        rows = "at every row count" if kernel == "fma_bf16" else f"up to {MAX_ROWS[kernel]} rows"
+        log_choice(f"{dtype} linear at decode batch sizes", f"native {kernel} kernel {rows}", why)
+    elif library is not None:
+        log_choice(f"{dtype} linear at decode batch sizes", "no native kernel", why)
     onednn = None
-    if weight.dtype == torch.bfloat16:
+    # Without bf16 dots in hardware oneDNN emulates them, 1.5-4.2x slower than the widening
+    # FMA tiles at 1-512 rows (bench/RESULTS.md): no second packed copy for it then.
+    if weight.dtype == torch.bfloat16 and not (packed is not None and kernel == "fma_bf16"):
         ok, why = packing_supported()
         if ok:
             try:
@@ -92,26 +116,32 @@ def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> Pac
             except (AttributeError, RuntimeError) as e:
                 ok, why = False, f"oneDNN refused to pack ({str(e).splitlines()[0][:120]})"
         log_choice("bf16 linear", "oneDNN packed weights" if ok else "F.linear", why)
-    kernel, why = native_kernel(weight.dtype)
-    packed = native.pack_matmul_weight(weight, kernel) if library is not None and kernel is not None else None
-    dtype = str(weight.dtype).removeprefix("torch.")
-    if packed is not None:
-        log_choice(f"{dtype} linear at decode batch sizes", f"native {kernel} kernel up to {MAX_ROWS[kernel]} rows",
-                   why)
-    elif library is not None:
-        log_choice(f"{dtype} linear at decode batch sizes", "no native kernel", why)
     if onednn is None and packed is None:
         return None
     return PackedWeight(onednn, packed, library if packed is not None else None, kernel if packed is not None else None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
+    """x @ weight.T + bias on the fastest copy of the weight for x's row count. `weight` may
+    be None once `packed.serves_every_x` (the model releases it after packing)."""
     if packed is not None:
-        if x.shape[0] <= packed.native_rows:
-            out = native.matmul(packed.library, x, packed.native, bias, packed.kernel)
+        if packed.native is not None and (x.shape[0] <= packed.native_rows or packed.onednn is None):
+            out = _native_slices(x, bias, packed)
             if out is not None:
                 return out
         if packed.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+    if weight is None:
+        raise ValueError(f"linear: no packed copy takes x of shape {tuple(x.shape)}, {x.dtype}, strides {x.stride()} "
+                         "and the unpacked weight was released")
     return F.linear(x, weight, bias)
+
+
+def _native_slices(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor | None:
+    rows = packed.native_rows
+    if x.shape[0] <= rows:
+        return native.matmul(packed.library, x, packed.native, bias, packed.kernel)
+    parts = [native.matmul(packed.library, x[i:i + rows], packed.native, bias, packed.kernel)
+             for i in range(0, x.shape[0], rows)]
+    return None if any(part is None for part in parts) else torch.cat(parts)

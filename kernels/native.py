@@ -3,7 +3,8 @@ ctypes: paged decode and prefill attention that read K/V in place through the bl
 (paged_decode.cpp, paged_prefill.cpp), the row-wise ops between the matmuls (norm_act.cpp: RMS norm with the
 residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
 matmuls of decode steps (bf16: amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
-dot instructions, over one packed layout; float32: gemm_f32.cpp).
+dot instructions, over one packed layout; float32, and bf16 widened on CPUs with no bf16
+hardware: gemm_f32.cpp's FMA tiles).
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -16,6 +17,7 @@ the caller falls back to the torch ops.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -51,11 +53,13 @@ SIGNATURES = {  # the library's functions: argument types (all return int: 0, or
     "pdserve_gemv_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
     "pdserve_amx_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
     "pdserve_gemm_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
+    "pdserve_gemm_bf16_fma": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
 }
 # The small-batch matmuls: kernel -> (function, dtype). "amx": AMX tiles (amx_bf16.cpp),
-# "dots": AVX512-BF16 dot instructions (gemv_bf16.cpp), "f32": FMA tiles (gemm_f32.cpp).
+# "dots": AVX512-BF16 dot instructions (gemv_bf16.cpp), "f32": FMA tiles (gemm_f32.cpp),
+# "fma_bf16": the same FMA tiles over bf16 weights widened in registers (no bf16 hardware).
 MATMULS = {"amx": ("pdserve_amx_bf16", torch.bfloat16), "dots": ("pdserve_gemv_bf16", torch.bfloat16),
-           "f32": ("pdserve_gemm_f32", torch.float32)}
+           "f32": ("pdserve_gemm_f32", torch.float32), "fma_bf16": ("pdserve_gemm_bf16_fma", torch.bfloat16)}
 MATMUL_BLOCK = 16  # output rows per packed block
 
 
@@ -91,6 +95,16 @@ def build(cache_dir: Path, level: str | None = None) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Processes starting together (a deployment's workers, parallel tests) build once: the
+    # others wait on the lock, then find the library.
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            _compile(compiler, flags, level, target)
+    return target
+
+
+def _compile(compiler: str, flags: list[str], level: str, target: Path) -> None:
     log.info("building native CPU kernels for %s (%s)", level, " ".join(_FLAGS[level]))
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         # One compiler per source, all at once (paged_decode.cpp's instantiations take most
@@ -109,8 +123,7 @@ def build(cache_dir: Path, level: str | None = None) -> Path:
         if failed:
             names = ", ".join(src.name for src, _ in failed)
             raise NativeUnavailable(f"{compiler} failed on {names}:\n{failed[0][1][-2000:]}")
-        out.replace(target)  # atomic: concurrent builders (workers starting together) agree
-    return target
+        out.replace(target)  # atomic: a process that finds it finds all of it
 
 
 @functools.cache
@@ -265,7 +278,7 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows
 
 def pack_matmul_weight(weight: torch.Tensor, kernel: str) -> torch.Tensor | None:
     """A [n, k] weight in the layout of a small-batch matmul kernel (MATMULS), or None where
-    the kernel cannot take it. bf16 ("amx", "dots"): [n/16, k/2, 16, 2], each 64-byte row
+    the kernel cannot take it. bf16 ("amx", "dots", "fma_bf16"): [n/16, k/2, 16, 2], each 64-byte row
     the (k, k+1) pair of 16 output rows; float32 ("f32"): [n/16, k, 16]."""
     n, k = weight.shape
     if weight.dtype != MATMULS[kernel][1] or n % MATMUL_BLOCK:

@@ -1,5 +1,5 @@
 """The native small-batch matmuls (kernels/csrc/amx_bf16.cpp on AMX tiles, gemv_bf16.cpp on
-AVX512-BF16 dots, gemm_f32.cpp on float32 FMA tiles) against F.linear in float64 on random
+AVX512-BF16 dots, gemm_f32.cpp on FMA tiles in float32 and in bf16 widened) against F.linear in float64 on random
 inputs: each kernel the host can run, directly, over row counts that fill one tile, part
 of one, and several, output widths of whole and partial register tiles, with a bias, x
 with a row stride; then through kernels.linear as the model calls it, across the row
@@ -23,7 +23,8 @@ def library(libraries):
 
 
 # kernel -> whether this CPU runs it
-KERNELS = {"amx": cpu().amx_bf16, "dots": cpu().avx512_bf16, "f32": native.isa_level() != "generic"}
+KERNELS = {"amx": cpu().amx_bf16, "dots": cpu().avx512_bf16, "f32": native.isa_level() != "generic",
+           "fma_bf16": native.isa_level() != "generic"}
 TOLERANCE = {torch.bfloat16: dict(atol=2e-2, rtol=1e-2), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
 
@@ -46,6 +47,24 @@ def test_each_kernel_matches_f_linear(library, kernel, rows, n, k):
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("level", native.runnable_levels())
+@pytest.mark.parametrize("kernel", ["f32", "fma_bf16"])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_the_fma_kernels_match_f_linear_at_every_isa_level(libraries, level, kernel, rows):
+    """The FMA tiles are built per ISA level (AVX-512: 16 lanes, AVX2: 8, two vectors a
+    block); every level this host runs, not only its own; the generic build refuses."""
+    dtype = native.MATMULS[kernel][1]
+    gen = torch.Generator().manual_seed(rows)
+    w = (0.1 * torch.randn(208, 98, generator=gen)).to(dtype)  # 13 blocks: whole and partial tiles
+    b = torch.randn(208, generator=gen).to(dtype)
+    x = torch.randn(rows, 98, generator=gen).to(dtype)
+    got = native.matmul(libraries[level], x, native.pack_matmul_weight(w, kernel), b, kernel)
+    if level == "generic":
+        assert got is None
+        return
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double(), b.double()), **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 2, 8, 9, 128, 129, 257, 513])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -64,6 +83,22 @@ def test_small_batch_linear_matches_f_linear(library, dtype, rows, with_bias):
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, n)
     torch.testing.assert_close(got.double(), want, **TOLERANCE[dtype])
+    if packed is not None and packed.serves_every_x:  # as the model runs it: the weight released
+        torch.testing.assert_close(klinear.linear(x, None, b, packed), got, atol=0, rtol=0)
+
+
+def test_a_model_keeps_one_copy_of_its_weights(library):
+    """After packing, a layer whose packed copies serve every row count holds no unpacked
+    weight; where nothing was packed it keeps it (and still answers)."""
+    from engine.model import Linear
+
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = Linear(96, 176, bias=False).to(dtype)
+        w = layer.weight.detach().clone()
+        layer.pack(library)
+        x = torch.randn(600, 96).to(dtype)  # more rows than any kernel takes at once
+        assert (layer.weight is None) == (layer.packed is not None and layer.packed.serves_every_x)
+        torch.testing.assert_close(layer(x).double(), F.linear(x.double(), w.double()), **TOLERANCE[dtype])
 
 
 def test_the_kernels_refuse_what_they_cannot_take(library):

@@ -25,6 +25,13 @@ inline vec load(const uint16_t* p) {  // bf16 is the top half of an fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void store(float* p, vec x) { _mm512_storeu_ps(p, x); }
+// LANES (k, k+1) bf16 pairs, one per 32-bit lane: k (the low half, H = 0) or k + 1 (the
+// high half, H = 1) of each, widened to fp32 by one shift or one mask (no shuffle).
+template <int H>
+inline vec widen_pair(const uint16_t* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return _mm512_castsi512_ps(H == 0 ? _mm512_slli_epi32(v, 16) : _mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+}
 inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
@@ -82,6 +89,11 @@ inline vec load(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline void store(float* p, vec x) { _mm256_storeu_ps(p, x); }
+template <int H>
+inline vec widen_pair(const uint16_t* p) {  // as the AVX-512 one, 8 pairs
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_castsi256_ps(H == 0 ? _mm256_slli_epi32(v, 16) : _mm256_and_si256(v, _mm256_set1_epi32(-65536)));
+}
 inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
