@@ -4,8 +4,9 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
-# Two pytest workers, whole files each: the suite mostly waits on the processes it starts.
-PYTEST_ARGS ?= -q -n 2 --dist loadfile
+# Two pytest workers, whole files each, in the order tests/conftest.py gives them (longest
+# first): the suite mostly waits on the processes it starts.
+PYTEST_ARGS ?= -q -n 2 --dist loadfile --no-loadscope-reorder
 MODEL  ?= smollm2
 
 SLOW_FACTOR ?= 3

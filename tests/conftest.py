@@ -81,10 +81,10 @@ def aggregated(system, smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def libraries(tmp_path_factory):
+def libraries():
     """The native kernel library built for every ISA level this host runs, by level
     (tests/test_kernels_native*.py check each against the torch references); built once a
-    session (the levels at once)."""
+    session (the levels at once) unless cached."""
     import shutil
     from concurrent.futures import ThreadPoolExecutor
 
@@ -92,7 +92,9 @@ def libraries(tmp_path_factory):
 
     if shutil.which("g++") is None:
         pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
-    cache = tmp_path_factory.mktemp("native")
+    from engine.model_source import default_cache_dir
+
+    cache = default_cache_dir()  # the engine's own build cache: built once per source change, shared
     levels = native.runnable_levels()
     with ThreadPoolExecutor(len(levels)) as pool:  # the compilers run at once: ~25 s for all, not ~50
         paths = list(pool.map(lambda level: native.build(cache, level), levels))

@@ -40,7 +40,8 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
     grid = {"prefill": [32, 256], "long_prompt": 1024, "decode_batch": [1, 8, 24], "decode_context": [64, 256]}
     measure(str(smollm2_dir), "auto", 1, grid, say=lambda m: None).save(tmp_path / "profile.json")
     (tmp_path / "planner.yaml").write_text(
-        "prefill: {replicas: 1}\ndecode: {replicas: 2}\n"
+        # 512 KV blocks each: the moves are about scheduling, not memory (the suite runs beside it)
+        "prefill: {replicas: 1, kv_blocks: 512}\ndecode: {replicas: 2, kv_blocks: 512}\n"
         # never shed: a slow host's predicted TTFT would turn load into 429s, and this test is
         # about workers moving under load with no request lost (shedding is the overload test's)
         "gateway: {max_ttft_s: null}\n"
