@@ -25,6 +25,8 @@ class Linear(nn.Linear):
     packed: kernels.linear.PackedWeight | None = None
 
     def pack(self, library=None) -> None:
+        if self.weight is None:  # packed already, its unpacked weight dropped
+            return
         self.packed = kernels.linear.pack_weight(self.weight, library)
         if self.packed is not None and self.packed.serves_every_x:
             self.weight = None  # one copy of the weights in memory, not two

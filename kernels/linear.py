@@ -1,18 +1,18 @@
-"""Linear layers with weights pre-packed on CPU (bf16).
+"""Linear layers with weights pre-packed once on CPU, for the small-M matmuls of decoding.
 
-oneDNN's blocked weight layout makes the small-M matmuls of decoding 1.5-2.5x faster
-than plain `F.linear` on an AVX-512/AMX CPU (measured in bench/RESULTS.md). Packing is
-done once after the weights are loaded, where the host can: oneDNN's bf16 needs
-AVX-512 (avx512bw/vl/dq), so an AVX2-only CPU keeps `F.linear`, as do fp32, CUDA and a
-torch without oneDNN. Where the native library is loaded, the weight is also packed for a
-native small-batch kernel: bf16 on AMX tiles (kernels/csrc/amx_bf16.cpp) or AVX512-BF16
-dots (gemv_bf16.cpp), which stream the weights closer to memory bandwidth than oneDNN does
-at decode batch sizes; float32 on FMA register tiles (gemm_f32.cpp), AVX-512 or AVX2, and
-bf16 on the same tiles where the CPU has no bf16 dot product (weights widened in registers).
+Packing happens after the weights are loaded, where the host can. Where the native library
+is loaded, the weight is packed for a native small-batch kernel: bf16 on AMX tiles
+(kernels/csrc/amx_bf16.cpp) or AVX512-BF16 dots (gemv_bf16.cpp), which stream the weights
+closer to memory bandwidth than oneDNN does at decode batch sizes; float32 on FMA register
+tiles (gemm_f32.cpp), AVX-512 or AVX2; and bf16 on the same tiles where the CPU has no bf16
+dot product (weights widened in registers). bf16 weights are also packed in oneDNN's
+blocked layout (1.5-2.5x `F.linear` on an AVX-512/AMX CPU, bench/RESULTS.md) where oneDNN
+runs bf16 natively; not where it would emulate the dots (the FMA tiles are faster there).
 `linear` takes the native kernel up to MAX_ROWS[kernel] rows, oneDNN above where it is
-packed, else the native kernel in slices; once packed copies serve every row count the
-model drops the unpacked weight (a float32 SmolLM2 worker: ~0.5 GB less).
-The choices and their reasons are logged once per process.
+packed, else the native kernel in slices; once the packed copies serve every x the model
+drops the unpacked weight (a float32 SmolLM2 worker: ~0.4 GiB less). CUDA tensors and a
+CPU with neither kernel keep `F.linear`. The choices and their reasons are logged once per
+process.
 """
 
 from __future__ import annotations
@@ -55,9 +55,10 @@ class PackedWeight:
 
     @property
     def serves_every_x(self) -> bool:
-        """Whether these copies take x of any row count (of the weight's dtype, rows
-        contiguous), so that the unpacked weight need not be kept beside them."""
-        return self.onednn is not None or self.native is not None
+        """Whether these copies take any x of the weight's dtype, so that the unpacked
+        weight need not be kept beside them: oneDNN's, or a native kernel that refuses
+        nothing it was packed for (AMX can: its tiles need K % 32 and the OS's permission)."""
+        return self.onednn is not None or self.kernel in ("f32", "fma_bf16", "dots")
 
 
 def native_kernel(dtype: torch.dtype) -> tuple[str | None, str]:
@@ -106,8 +107,8 @@ def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> Pac
     elif library is not None:
         log_choice(f"{dtype} linear at decode batch sizes", "no native kernel", why)
     onednn = None
-    # Without bf16 dots in hardware oneDNN emulates them, 1.5-4.2x slower than the widening
-    # FMA tiles at 1-512 rows (bench/RESULTS.md): no second packed copy for it then.
+    # Without bf16 dots in hardware oneDNN emulates them: 1.5x slower than the widening FMA
+    # tiles at 1 row, 4x at 16-256, 3.6x at 512 (bench/RESULTS.md); no second copy for it then.
     if weight.dtype == torch.bfloat16 and not (packed is not None and kernel == "fma_bf16"):
         ok, why = packing_supported()
         if ok:
@@ -140,6 +141,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | No
 
 def _native_slices(x: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight) -> torch.Tensor | None:
     rows = packed.native_rows
+    if x.dim() == 2 and x.stride(-1) != 1:  # the kernels read rows of contiguous columns
+        x = x.contiguous()
     if x.shape[0] <= rows:
         return native.matmul(packed.library, x, packed.native, bias, packed.kernel)
     parts = [native.matmul(packed.library, x[i:i + rows], packed.native, bias, packed.kernel)

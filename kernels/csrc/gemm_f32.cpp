@@ -14,8 +14,9 @@
 // Vector builds only (simd.h); returns -1 elsewhere or for N not a multiple of 16 (bf16: or
 // K odd), and the caller keeps oneDNN / F.linear.
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <type_traits>
-#include <vector>
 
 #include "simd.h"
 
@@ -29,7 +30,7 @@ constexpr int kBlock = 16;  // output rows per packed block
 constexpr int kPerBlock = kBlock / LANES;  // vectors per block
 constexpr int kGroupVectors = LANES == 16 ? 4 : 2;  // vectors of outputs per register tile
 constexpr int kTileRows = 6;
-constexpr int kAhead = 16;  // k steps to prefetch ahead (1 KB of a block's weights)
+constexpr int kAhead = 16;  // k to prefetch ahead (float32: 1 KB of a block's weights, bf16: 512 B)
 
 // k + H of the pair at k (even), bf16 weights: acc += x[:, k + H] * W[k + H].
 template <int H, int MB, int NV>
@@ -163,9 +164,11 @@ int pdserve_gemm_bf16_fma(const void* x, int64_t x_st, const void* packed, const
                           int m, int n, int k, int threads) {
 #if HAVE_SIMD
   if (n % kBlock != 0 || k % 2 != 0 || m < 0) return -1;
-  std::vector<float> wide(static_cast<size_t>(m) * k);
-  widen_rows(static_cast<const uint16_t*>(x), x_st, m, k, wide.data());
-  gemm(wide.data(), k, static_cast<const uint16_t*>(packed), static_cast<const uint16_t*>(bias),
+  // Not a std::vector: it would zero ~3 MB at 512 rows before the widening overwrites it.
+  std::unique_ptr<float[]> wide(new (std::nothrow) float[static_cast<size_t>(m) * k]);
+  if (!wide) return -1;
+  widen_rows(static_cast<const uint16_t*>(x), x_st, m, k, wide.get());
+  gemm(wide.get(), k, static_cast<const uint16_t*>(packed), static_cast<const uint16_t*>(bias),
        static_cast<uint16_t*>(out), o_st, m, n, k, threads);
   return 0;
 #else
