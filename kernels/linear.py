@@ -107,8 +107,8 @@ def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> Pac
     elif library is not None:
         log_choice(f"{dtype} linear at decode batch sizes", "no native kernel", why)
     onednn = None
-    # Without bf16 dots in hardware oneDNN emulates them: 1.5x slower than the widening FMA
-    # tiles at 1 row, 4x at 16-256, 3.6x at 512 (bench/RESULTS.md); no second copy for it then.
+    # Without bf16 dots in hardware oneDNN emulates them, slower than the FMA tiles at every
+    # row count (MAX_ROWS above): no second copy for it then.
     if weight.dtype == torch.bfloat16 and not (packed is not None and kernel == "fma_bf16"):
         ok, why = packing_supported()
         if ok:
