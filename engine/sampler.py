@@ -287,16 +287,16 @@ class Sampler:
         """logits: [num_seqs, vocab] raw model logits (any float dtype; not modified)."""
         assert logits.shape == (meta.num_seqs, meta.vocab_size), logits.shape
         processed = process_logits(logits, meta)  # [num_seqs, vocab] float32
+        ops = kernels.get_ops(processed.device)
         if meta.all_greedy:
-            token_ids = processed.argmax(dim=-1)  # [num_seqs]
+            token_ids = ops.argmax(processed)  # [num_seqs]
         else:
-            ops = kernels.get_ops(processed.device)
             if ops.BATCHED:
                 token_ids = ops.sample(processed, meta.temperature, *self._dense_params(meta, processed.device))
             else:
                 token_ids = self._sample(sampling_probs(processed, meta), meta)
             if meta.greedy is not None:
-                token_ids = torch.where(meta.greedy, processed.argmax(dim=-1), token_ids)
+                token_ids = torch.where(meta.greedy, ops.argmax(processed), token_ids)
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, token_ids, ids, meta))
 

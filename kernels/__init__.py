@@ -15,7 +15,8 @@ An op set is a module with:
   NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
   DECODE_IN_PLACE (native) paged_decode_attention takes the step's decodes, context lengths
   PREFILL_IN_PLACE (native) paged_prefill_attention takes the step's prefill chunks (varlen)
-  write_kv, rms_norm, add_rms_norm, rotary, silu_mul, pack_blocks, unpack_blocks
+  write_kv, rms_norm, add_rms_norm, rotary, silu_mul, pack_blocks, unpack_blocks,
+  argmax (greedy rows' tokens)
   BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
                   chunk over its gathered context), gather_context; engine/sampler.py
                   samples with its own torch stages

@@ -4,7 +4,7 @@ ctypes: paged decode and prefill attention that read K/V in place through the bl
 residual add, rotary embedding, SiLU-and-multiply), one pass each, and the small-batch
 matmuls of decode steps (bf16: amx_bf16.cpp on AMX tiles, gemv_bf16.cpp with AVX512-BF16
 dot instructions, over one packed layout; float32, and bf16 widened on CPUs with no bf16
-hardware: gemm_f32.cpp's FMA tiles).
+hardware: gemm_f32.cpp's FMA tiles), and greedy rows' token choice (greedy.cpp: argmax).
 
 Built once per ISA level the host runs (AVX-512: `-march=x86-64-v4`, AVX2:
 `x86-64-v3`, else generic x86-64), into `<cache>/native/`, keyed by the source's hash and
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / name for name in ("paged_decode.cpp", "paged_prefill.cpp", "norm_act.cpp", "gemv_bf16.cpp", "amx_bf16.cpp",
-                                     "gemm_f32.cpp")]
+                                     "gemm_f32.cpp", "greedy.cpp")]
 HEADERS = [_CSRC / "simd.h"]  # part of the build key
 _FLAGS = {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"], "generic": ["-march=x86-64"]}
 _COMMON = ["-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno"]
@@ -54,6 +54,7 @@ SIGNATURES = {  # the library's functions: argument types (all return int: 0, or
     "pdserve_amx_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
     "pdserve_gemm_f32": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
     "pdserve_gemm_bf16_fma": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT],
+    "pdserve_argmax": [_PTR, _I64, _PTR, _I64, _I64, _INT],
 }
 # The small-batch matmuls: kernel -> (function, dtype). "amx": AMX tiles (amx_bf16.cpp),
 # "dots": AVX512-BF16 dot instructions (gemv_bf16.cpp), "f32": FMA tiles (gemm_f32.cpp),
@@ -273,6 +274,16 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows
     out = torch.empty(rows, width, dtype=x.dtype)
     rc = lib.pdserve_silu_mul(DTYPES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), width, rows, width,
                               torch.get_num_threads())
+    return None if rc != 0 else out
+
+
+def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor | None:  # [rows, n] float32 -> [rows] int64
+    """x.argmax(dim=-1) (the first index of each row's maximum; of its first NaN if it has
+    one), or None where the kernel does not take x."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not _rows(x, x.dtype) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.pdserve_argmax(x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return None if rc != 0 else out
 
 

@@ -27,6 +27,11 @@ def write_kv(
     v_cache[slot_blocks, slot_offsets] = v
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
+    """Each row's greedy token: the first index of its maximum (of its first NaN if any)."""
+    return x.argmax(dim=-1)
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]

@@ -61,6 +61,7 @@ inline vec transpose_sum(const vec* t) {
 inline mask first(int n) { return static_cast<mask>(n >= LANES ? 0xffff : (1u << n) - 1u); }
 inline vec select(mask m, vec x, vec otherwise) { return _mm512_mask_blend_ps(m, otherwise, x); }
 inline mask ge(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }  // lanes where a >= b
+inline unsigned bits(mask m) { return m; }  // bit j: lane j
 inline vec round_nearest(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec times_pow2(vec x, vec n) { return _mm512_scalef_ps(x, n); }  // x * 2^n
 inline vec div(vec a, vec b) { return _mm512_div_ps(a, b); }
@@ -128,6 +129,7 @@ inline mask first(int n) {
 }
 inline vec select(mask m, vec x, vec otherwise) { return _mm256_blendv_ps(otherwise, x, m); }
 inline mask ge(vec a, vec b) { return _mm256_cmp_ps(a, b, _CMP_GE_OQ); }  // lanes where a >= b
+inline unsigned bits(mask m) { return static_cast<unsigned>(_mm256_movemask_ps(m)); }  // bit j: lane j
 inline vec round_nearest(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline vec times_pow2(vec x, vec n) {  // n integral in [-127, 127]
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
