@@ -45,6 +45,7 @@ class Profile:
     transfer_s: float = 0.004  # KV push per request (bench.transfer: ~3 ms for 2k SmolLM2 tokens)
     ttft_overhead_s: float = 0.0  # the serving path's latency to the client (HTTP, gRPC, routing); calibrated
     step_overhead_s: float = 0.0  # what serving adds to each decode step (streaming, contention); calibrated
+    rpc_s: float = 0.001  # one gRPC message between processes (gateway -> decode, decode <-> prefill)
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
         a, b, c = self.prefill_coef
@@ -53,6 +54,16 @@ class Profile:
     def decode_step_s(self, batch: int, context: float) -> float:
         a, b, c = self.decode_coef
         return self.step_overhead_s + a + b * batch + c * batch * context
+
+    def step_s(self, shape) -> float:
+        """One engine step of `shape` (deploy.sim_worker.StepShape): the decode model over its
+        decodes at their mean context, plus the prefill model per chunk (the step's constant
+        once: with the decodes' if there are any, else with the first chunk's)."""
+        decodes = shape.decode_contexts
+        cost = self.decode_step_s(len(decodes), statistics.fmean(decodes)) if decodes else 0.0
+        for i, (start, new) in enumerate(shape.prefill_chunks):
+            cost += self.prefill_step_s(new, start, with_constant=i == 0 and not decodes)
+        return cost
 
     def fit(self) -> Profile:
         self.prefill_coef = _nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],

@@ -1,16 +1,24 @@
 """A discrete-event simulator of the prefill and decode pools, driven by a `Profile`.
 
-It follows the system's own rules, not a queueing formula:
-- prefill workers take waiting prompts first come first served, in chunks that fill the
-  step's token budget; a finished prompt's first token and KV reach the decode worker after
-  the profile's transfer time; the gateway routes a prompt to the prefill worker with the
-  fewest queued tokens and the request to the decode worker with the fewest outstanding
-  tokens;
-- decode workers run continuous batching: requests whose KV arrived join at the next step
-  (while `max_num_seqs` and the KV capacity allow), every step gives each running request
-  one token and costs `decode_step_s(batch, mean context)`;
-- aggregated workers (no prefill pool) run decodes first, then prefill chunks in the rest
-  of the step's budget, paying both cost models in one step.
+It runs the system's own control code on a virtual clock, and prices each step instead of
+running it:
+- every worker is a `SimWorker` (deploy/sim_worker.py): pdserve's own `Scheduler` and
+  `KVCacheManager`, so chunking, chunk caps and top-ups, admission under the KV budget,
+  preemption and remote-prefill reservations are the engine's decisions, not a model of
+  them; each step costs `Profile.step_s` of its shape;
+- a worker's loop mirrors worker/loop.py: commands that arrived (new requests, KV that
+  landed) are applied at the top of an iteration, then one step is scheduled and runs; what
+  arrives during a step waits for the next iteration;
+- the gateway routes with its own `Router` (the decode worker with the fewest outstanding
+  tokens among those with KV headroom, prefill workers ranked by prompt affinity, fed each
+  worker's queue and free blocks as Stats would be);
+- disaggregated, a decode worker reserves a prompt's blocks in a step's schedule and sends
+  the Prefill then (arriving `rpc_s` later); the prefill worker queues and chunks it with
+  its own scheduler, pushes the KV when the prompt is done (`transfer_s`, waiting up to
+  5 ms for it before its next step, as prefill/worker.py does), and the decode worker
+  sees the KV at its first iteration after the reply arrives: the first token goes out
+  then, and the request decodes from the next step on;
+- aggregated workers (no prefill pool) prefill locally in their decode batches.
 
 Times are seconds from the first arrival. `simulate` fills each request's first-token and
 finish times and its token times; `summarize` turns them into percentiles and SLO
@@ -25,12 +33,14 @@ import itertools
 import math
 import random
 import statistics
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy.profile import Profile
 
 TARGET_ATTAINMENT = 0.9
+LAST_PUSH_WAIT_S = 0.005  # prefill/worker.py's _LAST_PUSH_WAIT_S: a finishing step's wait for its pushes
+_MAX_MODEL_LEN = 1 << 30  # the profile's KV capacity bounds a request, not a context limit
 
 
 @dataclass(frozen=True)
@@ -60,154 +70,143 @@ class SimRequest:
         return 0.0 if self.output <= 1 else (self.finish - self.first_token) / (self.output - 1)
 
 
-@dataclass(eq=False)
-class _Prefilling:
-    req: SimRequest
-    done: int = 0  # prompt tokens already computed
-
-
 class _Sim:
     def __init__(self, profile: Profile, pools: Pools, max_num_seqs: int):
-        self.p, self.pools, self.max_num_seqs = profile, pools, max_num_seqs
-        self.budget = profile.max_num_batched_tokens
+        # The engine's scheduler imports torch (engine.config): not for every importer of Pools.
+        from engine.config import SchedulerConfig
+        from gateway.router import Router
+
+        from deploy.sim_worker import SIM_TOKEN, SimWorker, StepShape, sim_prompt
+
+        self.token, self.shape_of, self.new_prompt = SIM_TOKEN, StepShape.of, sim_prompt
+        self.p = profile
+        config = SchedulerConfig(profile.max_num_batched_tokens, max_num_seqs, _MAX_MODEL_LEN)
+        blocks = profile.kv_tokens // profile.block_size
+        self.decode = [SimWorker(f"decode-{i}", config, blocks, profile.block_size) for i in range(pools.decode)]
+        self.prefill = [SimWorker(f"prefill-{i}", config, blocks, profile.block_size) for i in range(pools.prefill)]
+        self.workers = {w.name: w for w in self.decode + self.prefill}
+        self.router = Router([w.name for w in self.decode], [w.name for w in self.prefill], profile.block_size)
+        self.states = {s.address: s for s in self.router.decode + self.router.prefill}  # the gateway's view
         self.events: list = []
         self.seq = itertools.count()
-        n_decode = pools.decode
-        self.prefill_queue = [deque() for _ in range(pools.prefill)]
-        self.prefill_busy = [False] * pools.prefill
-        self.decode_wait = [deque() for _ in range(n_decode)]  # KV arrived (or, aggregated: to prefill)
-        self.running: list[list[list]] = [[] for _ in range(n_decode)]  # [req, generated]
-        self.agg_prefilling: list[deque] = [deque() for _ in range(n_decode)]
-        self.decode_busy = [False] * n_decode
-        self.outstanding = [0] * n_decode  # prompt + output tokens routed to each decode worker
+        self.inbox: dict[str, list[Callable[[float], None]]] = {name: [] for name in self.workers}
+        self.requests: dict[str, tuple[SimRequest, list[int]]] = {}  # request id -> (request, prompt ids)
+        self.prefill_of: dict[str, str] = {}  # request id -> the prefill worker asked
+        self.decode_of: dict[str, str] = {}  # request id -> its decode worker
 
-    def at(self, t: float, fn, *args) -> None:
+    def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
 
     def run(self, requests: list[SimRequest]) -> None:
-        for r in requests:
-            self.at(r.arrival, self.arrive, r)
+        for i, r in enumerate(requests):
+            rid = f"sim-{i}"
+            self.requests[rid] = (r, self.new_prompt(r.prompt))
+            self.at(r.arrival, self.arrive, rid)
         while self.events:
             t, _, fn, args = heapq.heappop(self.events)
             fn(t, *args)
 
+    # ---- messages between processes ----
+    def send(self, t: float, worker: str, command: Callable[[float], None]) -> None:
+        """`command` reaches `worker`'s loop at t: run at its next iteration (now, if idle)."""
+        self.inbox[worker].append(command)
+        w = self.workers[worker]
+        if not w.busy:
+            w.busy = True  # an iteration is due: later messages join its inbox
+            self.at(t, self.iterate, worker)
+
     # ---- gateway ----
-    def arrive(self, t: float, req: SimRequest) -> None:
-        d = min(range(self.pools.decode), key=lambda i: self.outstanding[i])
-        self.outstanding[d] += req.prompt + req.output
-        if self.pools.prefill == 0:
-            self.agg_prefilling[d].append(_Prefilling(req))
-            self.kick_decode(t, d)
-            return
-        w = min(range(self.pools.prefill), key=lambda i: sum(x.req.prompt - x.done for x, _ in self.prefill_queue[i]))
-        self.prefill_queue[w].append((_Prefilling(req), d))
-        if not self.prefill_busy[w]:
-            self.prefill_step(t, w)
+    def arrive(self, t: float, rid: str) -> None:
+        req, prompt = self.requests[rid]
+        for w in self.decode + self.prefill:  # fresh Stats
+            self.states[w.name].observe(w.kv.num_free_blocks, w.kv.num_total_blocks, w.kv.block_size, w.waiting_tokens())
+        target = self.router.pick_decode(req.prompt)
+        target.outstanding_tokens += req.prompt + req.output
+        prefill = self.router.rank_prefill(prompt)
+        self.decode_of[rid] = target.address
+        remote = bool(prefill)
+        if remote:
+            self.prefill_of[rid] = prefill[0]
 
-    # ---- prefill pool ----
-    def _chunks(self, queue, budget: int) -> list[tuple[object, int]]:
-        chunks = []
-        for item in queue:
-            if budget <= 0:
-                break
-            state = item[0] if isinstance(item, tuple) else item
-            take = min(state.req.prompt - state.done, budget)
-            chunks.append((item, take))
-            budget -= take
-        return chunks
+        def admit(now: float) -> None:
+            self.workers[target.address].add(rid, prompt, req.output, remote_prefill=remote)
+        self.send(t + self.p.rpc_s, target.address, admit)
 
-    def _prefill_cost(self, chunks, first_constant: bool) -> float:
-        cost = 0.0
-        for i, (item, take) in enumerate(chunks):
-            state = item[0] if isinstance(item, tuple) else item
-            cost += self.p.prefill_step_s(take, state.done, with_constant=first_constant and i == 0)
-        return cost
-
-    def prefill_step(self, t: float, w: int) -> None:
-        chunks = self._chunks(self.prefill_queue[w], self.budget)
-        if not chunks:
-            self.prefill_busy[w] = False
-            return
-        self.prefill_busy[w] = True
-        self.at(t + self._prefill_cost(chunks, True), self.prefill_done, w, chunks)
-
-    def prefill_done(self, t: float, w: int, chunks) -> None:
-        for (state, d), take in chunks:
-            state.done += take
-            if state.done == state.req.prompt:
-                self.prefill_queue[w].remove((state, d))
-                arrive = t + self.p.transfer_s
-                state.req.first_token = arrive
-                self.at(arrive, self.kv_arrived, d, state.req)
-        self.prefill_step(t, w)
-
-    # ---- decode pool (and aggregated workers) ----
-    def kv_arrived(self, t: float, d: int, req: SimRequest) -> None:
-        if req.output <= 1:
-            self.finish(t, d, req)
-            return
-        self.decode_wait[d].append(req)
-        self.kick_decode(t, d)
-
-    def kick_decode(self, t: float, d: int) -> None:
-        if not self.decode_busy[d]:
-            self.decode_step(t, d)
-
-    def _kv_used(self, d: int) -> int:
-        used = sum(r.prompt + r.output for r, _ in self.running[d])
-        return used + sum(x.req.prompt + x.req.output for x in self.agg_prefilling[d] if x.done > 0)
-
-    def decode_step(self, t: float, d: int) -> None:
-        running, wait = self.running[d], self.decode_wait[d]
-        while wait and len(running) < self.max_num_seqs and \
-                self._kv_used(d) + wait[0].prompt + wait[0].output <= self.p.kv_tokens:
-            running.append([wait.popleft(), 0])
-        cost, chunks = 0.0, []
-        if running:
-            context = statistics.fmean(r.prompt + g for r, g in running)
-            cost = self.p.decode_step_s(len(running), context)
-        if self.pools.prefill == 0:  # aggregated: prefill chunks in the rest of the budget
-            room = self.max_num_seqs - len(running)
-            admitted = [x for x in self.agg_prefilling[d] if x.done > 0]
-            kv = self._kv_used(d)
-            for x in self.agg_prefilling[d]:  # admit new prompts while seats and KV allow
-                if x.done == 0 and len(admitted) < room and kv + x.req.prompt + x.req.output <= self.p.kv_tokens:
-                    admitted.append(x)
-                    kv += x.req.prompt + x.req.output
-            chunks = self._chunks(admitted, self.budget - len(running))
-            cost += self._prefill_cost(chunks, not running)
-        if not running and not chunks:
-            self.decode_busy[d] = False
-            return
-        self.decode_busy[d] = True
-        self.at(t + cost, self.decode_done, d, [r for r, _ in running], chunks)
-
-    def decode_done(self, t: float, d: int, stepped: list[SimRequest], chunks) -> None:
-        still, stepped_ids = [], {id(r) for r in stepped}
-        for entry in self.running[d]:
-            req = entry[0]
-            if id(req) in stepped_ids:
-                entry[1] += 1
-                req.token_times.append(t)
-                if entry[1] >= req.output - 1:
-                    self.finish(t, d, req)
-                    continue
-            still.append(entry)
-        self.running[d] = still
-        for state, take in chunks:
-            state.done += take
-            if state.done == state.req.prompt:
-                self.agg_prefilling[d].remove(state)
-                state.req.first_token = t
-                if state.req.output <= 1:
-                    self.finish(t, d, state.req)
-                else:
-                    self.running[d].append([state.req, 0])
-        self.decode_step(t, d)
-
-    def finish(self, t: float, d: int, req: SimRequest) -> None:
+    def finish(self, t: float, rid: str) -> None:
+        req, _ = self.requests[rid]
         req.finish = t
-        self.outstanding[d] -= req.prompt + req.output
+        state = self.states[self.decode_of[rid]]
+        state.outstanding_tokens -= req.prompt + req.output
+
+    # ---- a worker's loop ----
+    def iterate(self, t: float, name: str) -> None:
+        w = self.workers[name]
+        commands, self.inbox[name] = self.inbox[name], []
+        for command in commands:
+            command(t)
+        if not w.has_work():
+            w.busy = False
+            return
+        out = w.scheduler.schedule()
+        for rp in out.remote_prefills:  # the Prefill goes out before the step runs
+            self.ask_prefill(t, rp.seq.request_id, name)
+        if out.is_empty:  # everything waits for KV from elsewhere: idle until a message comes
+            w.busy = False
+            return
+        w.busy = True
+        self.at(t + self.p.step_s(self.shape_of(out)), self.stepped, name, out)
+
+    def stepped(self, t: float, name: str, out) -> None:
+        w = self.workers[name]
+        sampled = {c.seq.request_id: self.token for c in out.chunks if c.sample}
+        updates = w.scheduler.update_from_output(out, sampled)
+        if w in self.prefill:
+            self.prefilled(t, name, updates)
+            return
+        for u in updates:
+            req, _ = self.requests[u.request_id]
+            if req.first_token == math.inf:
+                req.first_token = t
+            else:
+                req.token_times.append(t)
+            if u.finish_reason is not None:
+                self.finish(t, u.request_id)
+        self.iterate(t, name)
+
+    # ---- remote prefill ----
+    def ask_prefill(self, t: float, rid: str, decode: str) -> None:
+        _, prompt = self.requests[rid]
+        worker = self.prefill_of[rid]
+
+        def queue(now: float) -> None:
+            self.workers[worker].add(rid, prompt, 1, hold_blocks=True)
+        self.send(t + self.p.rpc_s, worker, queue)
+
+    def prefilled(self, t: float, name: str, updates) -> None:
+        """A prefill worker's step ended: push the prompts it finished, wait briefly for the
+        pushes, go on."""
+        w = self.workers[name]
+        done = [u.request_id for u in updates if u.new_token_ids]
+        for rid in done:
+            pushed = t + self.p.transfer_s
+            self.at(pushed, self.pushed, name, rid)
+        wait = min(self.p.transfer_s, LAST_PUSH_WAIT_S) if done else 0.0
+        w.busy = True
+        self.at(t + wait, self.iterate, name)
+
+    def pushed(self, t: float, name: str, rid: str) -> None:
+        self.send(t, name, lambda now: self.workers[name].scheduler.release(rid))
+        decode = self.decode_of[rid]
+
+        def kv_ready(now: float) -> None:
+            update = self.workers[decode].scheduler.remote_kv_ready(rid, self.token)
+            if update is None:
+                return
+            req, _ = self.requests[rid]
+            req.first_token = now  # the decode worker streams the first token as it sees the KV
+            if update.finish_reason is not None:
+                self.finish(now, rid)
+        self.send(t + self.p.rpc_s, decode, kv_ready)
 
 
 def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, int]],
@@ -216,7 +215,8 @@ def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, in
     if pools.decode < 1 or pools.prefill < 0:
         raise ValueError(f"pools need at least one decode worker and no negative count: {pools}")
     reqs = [SimRequest(a, max(1, p), max(1, o)) for a, p, o in requests]
-    too_big = [r for r in reqs if r.prompt + r.output > profile.kv_tokens]
+    capacity = profile.kv_tokens // profile.block_size * profile.block_size
+    too_big = [r for r in reqs if r.prompt + r.output > capacity]
     if too_big:
         raise ValueError(f"a request of {too_big[0].prompt}+{too_big[0].output} tokens exceeds a worker's KV "
                          f"capacity ({profile.kv_tokens} tokens)")

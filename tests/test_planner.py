@@ -29,19 +29,21 @@ def _profile(kv_tokens: int = 1 << 20, **kw) -> Profile:
 def test_one_request_costs_exactly_what_the_profile_says():
     p = _profile()
     (r,) = simulate(p, Pools(1, 1), [(1.0, 100, 4)])
-    assert r.first_token == pytest.approx(1.0 + p.prefill_step_s(100, 0) + 0.004)
-    steps = [p.decode_step_s(1, 100 + g) for g in range(3)]  # three more tokens, context growing
+    # Generate to the decode worker, its Prefill to the prefill worker, the reply back: three
+    # messages; the prefill itself and the KV push between them.
+    assert r.first_token == pytest.approx(1.0 + 3 * p.rpc_s + p.prefill_step_s(100, 0) + 0.004)
+    steps = [p.decode_step_s(1, 101 + g) for g in range(3)]  # three more tokens, context growing
     assert r.finish == pytest.approx(r.first_token + sum(steps))
     assert r.token_times == pytest.approx([r.first_token + sum(steps[:i + 1]) for i in range(3)])
     (agg,) = simulate(p, Pools(0, 1), [(0.0, 100, 4)])  # aggregated: no transfer
-    assert agg.first_token == pytest.approx(p.prefill_step_s(100, 0))
+    assert agg.first_token == pytest.approx(p.rpc_s + p.prefill_step_s(100, 0))
 
 
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks():
     p = _profile()
     (r,) = simulate(p, Pools(1, 1), [(0.0, 1200, 1)])
     chunks = p.prefill_step_s(512, 0) + p.prefill_step_s(512, 512) + p.prefill_step_s(176, 1024)
-    assert r.first_token == pytest.approx(chunks + 0.004) and r.finish == r.first_token
+    assert r.first_token == pytest.approx(3 * p.rpc_s + chunks + 0.004) and r.finish == r.first_token
 
 
 def test_more_workers_in_the_bottleneck_pool_help():
