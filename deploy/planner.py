@@ -117,8 +117,11 @@ def _factor(observed: float | None, predicted: float) -> float:
 
 
 def _scaled(profile: Profile, prefill: float, decode: float) -> Profile:
+    """The profile with its costs corrected. A fitted step model prices whole steps, queueing
+    is simulated: only the decode factor (observed TPOT, which is step time) scales it."""
     return dataclasses.replace(profile, prefill_coef=[c * prefill for c in profile.prefill_coef],
-                               decode_coef=[c * decode for c in profile.decode_coef])
+                               decode_coef=[c * decode for c in profile.decode_coef],
+                               step_coef=[c * decode for c in profile.step_coef])
 
 
 def _clearly_better(best: tuple[float, float], current: tuple[float, float]) -> bool:

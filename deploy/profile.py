@@ -25,9 +25,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+# `mixed_*`: the step model's points (deploy/step_cost.py): B prompts of C tokens at once, run
+# to a few tokens each (prefill chunks, then decodes), for every pair that fits the KV pool;
+# then B sequences decoding while a long prompt is prefilled beside them in chunks.
 FULL = {"prefill": [16, 64, 128, 256, 512], "long_prompt": 2048, "decode_batch": [1, 8, 32],
-        "decode_context": [128, 896]}
-QUICK = {"prefill": [32, 512], "long_prompt": 1024, "decode_batch": [1, 8], "decode_context": [128, 512]}
+        "decode_context": [128, 896], "mixed_batch": [1, 4, 16, 32, 64], "mixed_context": [48, 400, 1200],
+        "mixed_beside": [1, 8, 32]}
+QUICK = {"prefill": [32, 512], "long_prompt": 1024, "decode_batch": [1, 8], "decode_context": [128, 512],
+         "mixed_batch": [1, 8], "mixed_context": [48, 400], "mixed_beside": [4]}
 
 
 @dataclass
@@ -46,6 +51,11 @@ class Profile:
     ttft_overhead_s: float = 0.0  # the serving path's latency to the client (HTTP, gRPC, routing); calibrated
     step_overhead_s: float = 0.0  # what serving adds to each decode step (streaming, contention); calibrated
     rpc_s: float = 0.001  # one gRPC message between processes (gateway -> decode, decode <-> prefill)
+    # The step model fitted on mixed steps of the real runner (deploy/step_cost.py: coefficients
+    # in its NAMES order); empty: the two models above price a step.
+    step_coef: list[float] = field(default_factory=list)
+    step_points: list[list] = field(default_factory=list)  # [decode contexts, [[start, new], ...], sampled, seconds]
+    step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
         a, b, c = self.prefill_coef
@@ -56,10 +66,15 @@ class Profile:
         return self.step_overhead_s + a + b * batch + c * batch * context
 
     def step_s(self, shape) -> float:
-        """One engine step of `shape` (deploy.sim_worker.StepShape): the decode model over its
-        decodes at their mean context, plus the prefill model per chunk (the step's constant
-        once: with the decodes' if there are any, else with the first chunk's)."""
+        """One engine step of `shape` (deploy.sim_worker.StepShape): the fitted step model where
+        the profile has one, else the decode model over its decodes at their mean context plus
+        the prefill model per chunk (the step's constant once: with the decodes' if there are
+        any, else with the first chunk's). Serving's per-step overhead goes on steps that decode."""
         decodes = shape.decode_contexts
+        if self.step_coef:
+            from deploy.step_cost import StepCost
+
+            return StepCost(self.step_coef).seconds(shape) + (self.step_overhead_s if decodes else 0.0)
         cost = self.decode_step_s(len(decodes), statistics.fmean(decodes)) if decodes else 0.0
         for i, (start, new) in enumerate(shape.prefill_chunks):
             cost += self.prefill_step_s(new, start, with_constant=i == 0 and not decodes)
@@ -166,7 +181,49 @@ def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: flo
             profile.decode_points.append([batch, statistics.fmean(c for _, c in pure),
                                           statistics.median(s for s, _ in pure)])
             say(f"decode batch {batch:3d} at context {ctx:5d}: {profile.decode_points[-1][2] * 1e3:7.1f} ms/step")
+    if "mixed_batch" in grid:
+        measure_steps(engine, profile, grid, prompt, say)
     return profile.fit()
+
+
+def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
+    """Every step of mixed workloads through the real engine, timed (schedule and execute,
+    as a worker's iteration runs them) with its shape: the step model's points."""
+    from deploy.sim_worker import StepShape
+    from engine import SamplingParams
+
+    points: list[tuple[StepShape, float]] = []
+    ids = iter(range(10**9))
+
+    def run_all(requests: list[tuple[list[int], int]]) -> None:
+        for p, n in requests:
+            engine.add_request(f"steps-{next(ids)}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            out = engine.schedule()
+            engine.execute(out)
+            if not out.is_empty:
+                points.append((StepShape.of(out), time.perf_counter() - t0))
+
+    room = int(0.8 * profile.kv_tokens)
+    for batch in grid["mixed_batch"]:
+        for ctx in grid["mixed_context"]:
+            if batch * (ctx + 8) <= room:
+                run_all([(prompt(ctx), 8) for _ in range(batch)])
+    long = grid["long_prompt"]
+    for batch in grid["mixed_beside"]:  # decodes beside a long prompt's chunks, then alone
+        if batch * 300 + long <= room:
+            run_all([(prompt(200), 24 + long // profile.max_num_batched_tokens) for _ in range(batch)]
+                    + [(prompt(long), 2)])
+    from deploy.step_cost import StepCost
+
+    model = StepCost.fit(points)
+    profile.step_coef = model.coef
+    profile.step_error = [model.held_out_error, model.held_out_p90_error]
+    profile.step_points = [[list(s.decode_contexts), [list(c) for c in s.prefill_chunks], s.num_sampled, t]
+                           for s, t in points]
+    say(f"step model: {len(points)} mixed steps, error on the 20% held out of the fit: mean "
+        f"{model.held_out_error:.1%}, p90 {model.held_out_p90_error:.1%}")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:

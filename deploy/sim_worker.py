@@ -12,7 +12,6 @@ Prompts are token ids unique to each request, so no two share a prefix-cache blo
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.config import SchedulerConfig
@@ -32,12 +31,13 @@ class StepShape:
 
     decode_contexts: tuple[int, ...]
     prefill_chunks: tuple[tuple[int, int], ...]
+    num_sampled: int = 0  # rows through the LM head: the decodes and the chunks that end a prompt
 
     @classmethod
     def of(cls, out: SchedulerOutput) -> StepShape:
         decodes = tuple(c.context_len for c in out.chunks if c.num_new == 1)
         chunks = tuple((c.start, c.num_new) for c in out.chunks if c.num_new > 1)
-        return cls(decodes, chunks)
+        return cls(decodes, chunks, sum(1 for c in out.chunks if c.sample))
 
     @property
     def num_tokens(self) -> int:
@@ -66,21 +66,16 @@ class SimWorker:
         seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)
 
-    def step(self) -> tuple[SchedulerOutput, list[SequenceUpdate]]:
-        """Schedule one step and apply its outcome (what the engine's execute would)."""
+    def step(self) -> tuple[SchedulerOutput, StepShape, list[SequenceUpdate]]:
+        """Schedule one step and apply its outcome (what the engine's execute would); its
+        shape is read before (a chunk samples if it reaches the sequence's last token)."""
         out = self.scheduler.schedule()
+        shape = StepShape.of(out)
         sampled = {c.seq.request_id: SIM_TOKEN for c in out.chunks if c.sample}
-        return out, self.scheduler.update_from_output(out, sampled)
+        return out, shape, self.scheduler.update_from_output(out, sampled)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def free_tokens(self) -> int:
-        return self.kv.num_free_blocks * self.kv.block_size
-
     def waiting_tokens(self) -> int:
         return self.scheduler.waiting_tokens
-
-
-def finished(updates: Iterable[SequenceUpdate]) -> list[str]:
-    return [u.request_id for u in updates if u.finish_reason is not None]

@@ -12,7 +12,9 @@ import pytest
 
 from deploy.planner import Counters, Planner, parse_metrics
 from deploy.profile import Profile, _nnls, measure
+from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
+from deploy.step_cost import NAMES, StepCost, nnls
 from deploy.tune import goodput_of, splits, tune, validate
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import REPO
@@ -85,14 +87,50 @@ def test_fit_recovers_known_costs_and_keeps_coefficients_non_negative():
     assert _nnls([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])  # slope would be < 0
 
 
+def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
+    """Steps priced by a known function of the model's own form (a bend in the linears' cost
+    at 64 tokens, attention terms) are fitted back exactly; the held-out error is ~0."""
+    import random
+
+    rng = random.Random(0)
+
+    def truth(shape: StepShape) -> float:
+        m = shape.num_tokens
+        linears = 0.010 + 0.00002 * m if m <= 64 else 0.01128 + 0.0002 * (m - 64)  # bandwidth, then compute
+        attention = 3e-7 * sum(shape.decode_contexts) + 2e-9 * sum(n * (s + n / 2) for s, n in shape.prefill_chunks)
+        return linears + attention + 0.0004 * len(shape.prefill_chunks) + 0.00003 * shape.num_sampled
+
+    shapes = []
+    for _ in range(300):
+        decodes = tuple(rng.randrange(10, 2000) for _ in range(rng.choice([0, 1, 4, 16, 32, 64])))
+        chunks = tuple((rng.randrange(0, 1500), rng.randrange(2, 400)) for _ in range(rng.choice([0, 0, 1, 2])))
+        if decodes or chunks:
+            shapes.append(StepShape(decodes, chunks, len(decodes) + sum(1 for _ in chunks)))
+    model = StepCost.fit([(s, truth(s)) for s in shapes])
+    assert model.held_out_error < 0.01 and model.points == len(shapes)
+    for s in shapes[:50]:
+        assert model.seconds(s) == pytest.approx(truth(s), rel=0.02)
+
+
+def test_nnls_matches_the_constrained_optimum():
+    assert nnls([[1, 0], [0, 1], [1, 1]], [2.0, -1.0, 1.0]) == pytest.approx([1.5, 0.0])  # x2 would be < 0
+    assert nnls([[1, 2], [3, 4], [5, 6]], [5.0, 11.0, 17.0]) == pytest.approx([1.0, 2.0])  # the exact solution
+
+
 def test_profile_measures_a_real_engine(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
-    grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48]}
+    grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48],
+            "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3]}
     p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=lambda m: None)
     assert [pt[:2] for pt in p.prefill_points[:2]] == [[16, 0], [64, 0]]
     assert [c for _, c, _ in p.prefill_points[2:]] == [0, 64]  # the 160-token prompt: its two full chunks
     assert [pt[0] for pt in p.decode_points] == [1, 1, 4, 4] and all(s > 0 for *_, s in p.decode_points)
     assert all(c >= 0 for c in p.prefill_coef + p.decode_coef) and p.decode_step_s(4, 32) > 0
+    # The step model: every mixed step a point, a held-out error, a positive price for any step.
+    assert len(p.step_points) > 20 and len(p.step_coef) == len(NAMES) and all(c >= 0 for c in p.step_coef)
+    assert all(math.isfinite(e) for e in p.step_error)
+    assert any(points[0] and points[1] for points in p.step_points)  # decodes beside a chunk
+    assert p.step_s(StepShape((40, 50), ((0, 30),), 2)) > 0
     p.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == p
     with pytest.raises(ValueError, match="pdserve profile"):

@@ -82,7 +82,7 @@ def test_the_simulator_schedules_a_logged_trace_as_the_engine_did(tmp_path):
             sim.add(rid, a["prompt"], a["max_tokens"], remote_prefill=a["remote"])
         for rid in entry["kv_ready"]:
             sim.scheduler.remote_kv_ready(rid, SIM_TOKEN)
-        out, _ = sim.step()
+        out, _, _ = sim.step()
         assert _decisions(out) == {k: entry[k] for k in ("chunks", "preempted", "reserved")}, f"step {entry['step']}"
     assert not sim.has_work()
 
@@ -91,10 +91,10 @@ def test_step_shapes_group_decodes_and_chunks_as_the_runner_does(tmp_path):
     sim = SimWorker("w", SCHED, BLOCKS, BLOCK)
     sim.add("a", list(range(3, 20)), 4)
     sim.add("b", list(range(30, 100)), 4)
-    out, _ = sim.step()
-    assert StepShape.of(out) == StepShape((), ((0, 17), (0, 31)))  # a whole, b's capped chunk topped up
-    out, _ = sim.step()
-    assert StepShape.of(out) == StepShape((18,), ((31, 39),))  # a decodes at its context, b goes on
+    _, shape, _ = sim.step()
+    assert shape == StepShape((), ((0, 17), (0, 31)), 1)  # a whole (sampled), b's capped chunk topped up
+    _, shape, _ = sim.step()
+    assert shape == StepShape((18,), ((31, 39),), 2)  # a decodes at its context, b ends its prompt
 
 
 def test_a_request_preempted_in_the_simulator_still_finishes():
