@@ -6,7 +6,8 @@
 Both systems get the same job (prompt token ids, output lengths, greedy with ignore_eos)
 and are timed by the same code: one `generate` call over the whole workload, then the
 decode step at batch B by difference, T(B prompts, `long` new tokens) - T(B other prompts,
-`short` new tokens), over `long - short` steps, so prefill and call overhead cancel: while
+`short` new tokens), over `long - short` steps (the median of a few such pairs), so prefill
+and call overhead cancel: while
 `short` is at least the steps the batch's prefill spans, the long run is the short one
 with `long - short` steps of all B sequences decoding added.
 Only the standard library is imported at the top: vLLM's venv has no pdserve, and
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -83,11 +85,15 @@ def run(job: dict, system: str) -> dict:
     decode = []
     for d in job["decode"]:
         b, short, long = d["batch"], d["short"], d["long"]
-        t_short, _ = timed(generate, d["prompts_short"], [short] * b)
-        t_long, _ = timed(generate, d["prompts_long"], [long] * b)
-        step = (t_long - t_short) / (long - short)
-        log(f"{system}: decode step at batch {b}: {step * 1e3:.1f} ms")
-        decode.append(dict(batch=b, step_s=step, t_short=t_short, t_long=t_long))
+        steps = []
+        for pair in d["pairs"]:  # repeats, each with prompts of its own; the median step is reported
+            t_short, _ = timed(generate, pair["short"], [short] * b)
+            t_long, _ = timed(generate, pair["long"], [long] * b)
+            steps.append((t_long - t_short) / (long - short))
+        step = statistics.median(steps)
+        log(f"{system}: decode step at batch {b}: {step * 1e3:.1f} ms (median of "
+            f"{', '.join(f'{s * 1e3:.1f}' for s in steps)})")
+        decode.append(dict(batch=b, step_s=step, steps_s=steps))
     return dict(system=system, load_s=load_s, seconds=seconds, output_tokens=sum(map(len, outs)),
                 token_ids=outs, decode=decode, pid=os.getpid())
 

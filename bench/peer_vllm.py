@@ -90,12 +90,14 @@ def make_job(args, path: Path, tokenizer: Tokenizer, dtype_name: str) -> dict:
     requests = sharegpt_requests(tokenizer, args.num_requests, args.seed, args.max_input, args.max_output)
     decode = []
     for b in args.batches:
-        # different prompts for the short and the long run: neither hits the other's prefix cache
-        short = fixed_requests(tokenizer, b, args.decode_ctx, args.short, seed=args.seed + 1000 + b)
-        long = fixed_requests(tokenizer, b, args.decode_ctx, args.short + args.steps, seed=args.seed + 2000 + b)
-        decode.append(dict(batch=b, short=args.short, long=args.short + args.steps,
-                           prompts_short=[r.prompt_token_ids for r in short],
-                           prompts_long=[r.prompt_token_ids for r in long]))
+        # different prompts for every run, short and long, each repeat: none hits another's prefix cache
+        pairs = []
+        for rep in range(args.repeats):
+            seed = args.seed + 10_000 * rep + b
+            short = fixed_requests(tokenizer, b, args.decode_ctx, args.short, seed=seed + 1000)
+            long = fixed_requests(tokenizer, b, args.decode_ctx, args.short + args.steps, seed=seed + 2000)
+            pairs.append(dict(short=[r.prompt_token_ids for r in short], long=[r.prompt_token_ids for r in long]))
+        decode.append(dict(batch=b, short=args.short, long=args.short + args.steps, pairs=pairs))
     warm = [tokenizer.encode(f"Warm-up number {i}: a short line to touch every kernel once.",
                              add_special_tokens=False) for i in range(2)]
     return dict(model=str(path), dtype=dtype_name, threads=args.threads, max_model_len=args.max_model_len,
@@ -205,6 +207,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="new tokens of the short decode run; at least the steps the batch's prefill spans (a "
                         "request done before the last prefill would make the difference count mixed steps)")
     p.add_argument("--steps", type=int, default=48, help="extra decode steps of the long run")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="short/long pairs per batch size; the step is their median (one pair moved by up to "
+                        "~10%% between runs on a shared VM)")
     p.add_argument("--venv", type=Path, default=None, help="vLLM's venv (made on first use)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--setup-only", action="store_true",

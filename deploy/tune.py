@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import random
 import statistics
 import sys
 
@@ -34,8 +35,11 @@ def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_
     return sorted(rows, key=lambda r: -r[1])
 
 
-def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> list[dict]:
-    """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests."""
+def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float,
+             resamples: int = 1000) -> list[dict]:
+    """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests,
+    with a 95% bootstrap interval on each p90's relative error (the requests resampled, each
+    drawn set compared measured against simulated: how far the error can be trusted)."""
     if "deployments" in bench:
         raise ValueError(f"a comparison file: validate one of its deployments ({', '.join(bench['deployments'])}) "
                          "with --deployment NAME")
@@ -45,15 +49,39 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
         if not done:
             continue
         t0 = min(r["arrival_s"] for r in run["requests"])
-        sim = summarize(simulate(profile, pools, [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"])
-                                                  for r in done]), slo_ttft, slo_tpot)
+        simulated = simulate(profile, pools, [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"])
+                                              for r in done])
+        sim = summarize(simulated, slo_ttft, slo_tpot)
         measured_ttft = _p90([r["ttft_s"] for r in done])
         measured_tpot = _p90([r["tpot_s"] for r in done if r.get("tpot_s") is not None])
         good = sum(1 for r in done if r["ttft_s"] <= slo_ttft and (r.get("tpot_s") or 0.0) <= slo_tpot)
-        rows.append({"rate": run.get("rate"), "measured_ttft_p90": measured_ttft, "sim_ttft_p90": sim["ttft_p90"],
+        pairs_ttft = [(r["ttft_s"], s.ttft) for r, s in zip(done, simulated)]
+        pairs_tpot = [(r["tpot_s"], s.tpot) for r, s in zip(done, simulated) if r.get("tpot_s") is not None]
+        rows.append({"rate": run.get("rate"), "requests": len(done),
+                     "measured_ttft_p90": measured_ttft, "sim_ttft_p90": sim["ttft_p90"],
+                     "ttft_p90_error_ci": p90_error_interval(pairs_ttft, resamples),
                      "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
+                     "tpot_p90_error_ci": p90_error_interval(pairs_tpot, resamples),
                      "measured_attainment": good / len(run["requests"]), "sim_attainment": sim["attainment"]})
     return rows
+
+
+def p90_error_interval(pairs: list[tuple[float, float]], resamples: int = 1000, seed: int = 0) -> list[float]:
+    """The 95% bootstrap interval of (simulated p90 - measured p90) / measured p90 over
+    (measured, simulated) pairs of the same requests; [nan, nan] with too few to say."""
+    if len(pairs) < 10 or resamples < 1:
+        return [math.nan, math.nan]
+    rng = random.Random(seed)
+    errors = []
+    for _ in range(resamples):
+        drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
+        measured = _p90([m for m, _ in drawn])
+        if measured > 0:
+            errors.append((_p90([s for _, s in drawn]) - measured) / measured)
+    if not errors:
+        return [math.nan, math.nan]
+    errors.sort()
+    return [errors[int(0.025 * (len(errors) - 1))], errors[int(0.975 * (len(errors) - 1))]]
 
 
 def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> Profile:
@@ -87,6 +115,12 @@ def _p90(values: list[float]) -> float:
     from deploy.simulator import percentile
 
     return percentile(values, 90)
+
+
+def _interval(ci: list[float]) -> str:
+    if any(math.isnan(x) for x in ci):
+        return "-"
+    return f"[{ci[0]:+.0%}, {ci[1]:+.0%}]"
 
 
 def _err(sim: float, measured: float) -> str:
@@ -167,13 +201,18 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
     except ValueError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
-    print(f"{'rate':>6} {'TTFT p90 meas':>13} {'sim':>7} {'err':>6} {'TPOT p90 meas':>13} {'sim':>7} {'err':>6} "
-          f"{'attain meas':>11} {'sim':>5}")
+    print(f"{'rate':>6} {'reqs':>5} {'TTFT p90 meas':>13} {'sim':>7} {'err':>6} {'95% interval':>15} "
+          f"{'TPOT p90 meas':>13} {'sim':>7} {'err':>6} {'95% interval':>15} {'attain meas':>11} {'sim':>5}")
     for r in rows:
-        print(f"{r['rate'] or 0:6.2f} {r['measured_ttft_p90']:13.3f} {r['sim_ttft_p90']:7.3f} "
-              f"{_err(r['sim_ttft_p90'], r['measured_ttft_p90']):>6} {r['measured_tpot_p90']:13.3f} "
-              f"{r['sim_tpot_p90']:7.3f} {_err(r['sim_tpot_p90'], r['measured_tpot_p90']):>6} "
+        print(f"{r['rate'] or 0:6.2f} {r['requests']:5d} {r['measured_ttft_p90']:13.3f} {r['sim_ttft_p90']:7.3f} "
+              f"{_err(r['sim_ttft_p90'], r['measured_ttft_p90']):>6} {_interval(r['ttft_p90_error_ci']):>15} "
+              f"{r['measured_tpot_p90']:13.3f} {r['sim_tpot_p90']:7.3f} "
+              f"{_err(r['sim_tpot_p90'], r['measured_tpot_p90']):>6} {_interval(r['tpot_p90_error_ci']):>15} "
               f"{r['measured_attainment']:11.2f} {r['sim_attainment']:5.2f}")
+    few = [r for r in rows if r["requests"] < 300]
+    if few:
+        print(f"note: {len(few)} run(s) with fewer than 300 requests: their p90 rests on a handful of requests "
+              "(see the intervals); bench >= 300 per rate to resolve 10%")
     measured, simulated = goodput_of(rows, "measured_attainment"), goodput_of(rows, "sim_attainment")
     print(f"goodput over these rates: measured {measured:.2f} req/s, simulated {simulated:.2f} req/s "
           f"({_err(simulated, measured).strip()})")

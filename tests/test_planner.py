@@ -15,7 +15,7 @@ from deploy.profile import Profile, _nnls, measure
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
 from deploy.step_cost import NAMES, StepCost, nnls
-from deploy.tune import goodput_of, splits, tune, validate
+from deploy.tune import goodput_of, p90_error_interval, splits, tune, validate
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import REPO
 
@@ -163,7 +163,20 @@ def test_validation_of_a_run_the_simulator_itself_produced_has_no_error():
     for row in rows:
         assert row["sim_ttft_p90"] == pytest.approx(row["measured_ttft_p90"])
         assert row["sim_tpot_p90"] == pytest.approx(row["measured_tpot_p90"])
+        assert row["ttft_p90_error_ci"] == pytest.approx([0.0, 0.0], abs=1e-9) and row["requests"] == 50
     assert goodput_of(rows, "measured_attainment") == goodput_of(rows, "sim_attainment")
+
+
+def test_p90_error_interval_brackets_the_error_and_widens_with_noise():
+    import random
+
+    rng = random.Random(1)
+    measured = [rng.expovariate(1.0) for _ in range(400)]
+    assert p90_error_interval([(m, 1.1 * m) for m in measured]) == pytest.approx([0.1, 0.1])
+    noisy = p90_error_interval([(m, 1.1 * m * rng.uniform(0.5, 1.5)) for m in measured])
+    few = p90_error_interval([(m, 1.1 * m * rng.uniform(0.5, 1.5)) for m in measured[:30]])
+    assert noisy[0] < noisy[1] and few[1] - few[0] > noisy[1] - noisy[0]  # 30 requests resolve less than 400
+    assert all(math.isnan(x) for x in p90_error_interval([(1.0, 1.0)] * 5))
 
 
 def _window(rate: float, prompt: int, output: int, pools: Pools, p: Profile) -> tuple[Counters, float]:
