@@ -21,6 +21,12 @@ for _reason in ("tenant_concurrency", "tenant_tokens", "kv_headroom", "predicted
     REJECTIONS.labels(_reason)  # every series present (at 0) from the start, as a dashboard expects
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
+# Lengths of finished requests: the online planner replays their distribution, not their means.
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PROMPT_LENGTHS = Histogram("pdserve_request_prompt_tokens", "Prompt tokens per finished request",
+                           buckets=LENGTH_BUCKETS)
+OUTPUT_LENGTHS = Histogram("pdserve_request_completion_tokens", "Output tokens per finished request (its first choice)",
+                           buckets=LENGTH_BUCKETS)
 SLO_REQUESTS = Counter("pdserve_slo_requests", "Finished requests by whether they met the SLO (TTFT and TPOT both "
                        "within --slo-ttft / --slo-tpot): the rate of met=\"yes\" is the goodput", ["met"])
 

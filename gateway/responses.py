@@ -19,7 +19,8 @@ from engine import trace
 from engine.tokenizer import Tokenizer
 from gateway.errors import APIError
 from gateway.logprobs import render as render_logprobs
-from gateway.metrics import COMPLETION_TOKENS, E2E, PROMPT_TOKENS, REQUESTS, SLO, SLO_REQUESTS, TPOT
+from gateway.metrics import (COMPLETION_TOKENS, E2E, OUTPUT_LENGTHS, PROMPT_LENGTHS, PROMPT_TOKENS, REQUESTS, SLO,
+                             SLO_REQUESTS, TPOT)
 from gateway.text_stream import TextStream
 from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
@@ -145,6 +146,8 @@ def _record(endpoint: str, status: str, started: float, first_at: float, prompt_
     if status == "ok":  # what the planner reads: the load and its latencies
         PROMPT_TOKENS.inc(prompt_len)
         COMPLETION_TOKENS.inc(completion_tokens)
+        PROMPT_LENGTHS.observe(prompt_len)
+        OUTPUT_LENGTHS.observe(completion_tokens)
         tpot = (now - first_at) / (completion_tokens - 1) if completion_tokens > 1 else None
         if tpot is not None:
             TPOT.observe(tpot)

@@ -3,6 +3,7 @@ its validation against a bench run, and the online decision rule."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from deploy.planner import Counters, Planner, parse_metrics
+from deploy.planner import Counters, Planner, parse_metrics, sample_lengths
 from deploy.profile import Profile, _nnls, measure
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
@@ -219,11 +220,50 @@ def test_gateway_metrics_parse_into_counters():
         '# TYPE pdserve_completion_tokens counter', 'pdserve_completion_tokens_total 250.0',
         '# TYPE pdserve_ttft_seconds histogram', 'pdserve_ttft_seconds_sum 2.5', 'pdserve_ttft_seconds_count 10.0',
         '# TYPE pdserve_tpot_seconds histogram', 'pdserve_tpot_seconds_sum 0.9', 'pdserve_tpot_seconds_count 9.0',
+        '# TYPE pdserve_request_prompt_tokens histogram',
+        'pdserve_request_prompt_tokens_bucket{le="64.0"} 4.0', 'pdserve_request_prompt_tokens_bucket{le="128.0"} 9.0',
+        'pdserve_request_prompt_tokens_bucket{le="+Inf"} 10.0',
+        '# TYPE pdserve_engine_step_seconds histogram',  # two workers' steps, summed by kind
+        'pdserve_engine_step_seconds_sum{kind="decode",role="decode",worker="decode-0-a"} 2.0',
+        'pdserve_engine_step_seconds_count{kind="decode",role="decode",worker="decode-0-a"} 100.0',
+        'pdserve_engine_step_seconds_sum{kind="decode",role="decode",worker="decode-1-b"} 1.0',
+        'pdserve_engine_step_seconds_count{kind="decode",role="decode",worker="decode-1-b"} 50.0',
+        'pdserve_engine_step_seconds_sum{kind="mixed",role="decode",worker="decode-1-b"} 9.0',
+        '# TYPE pdserve_engine_step_sequences histogram',
+        'pdserve_engine_step_sequences_sum{kind="decode",role="decode",worker="decode-0-a"} 600.0',
         ""])
     c = parse_metrics(text)
     assert (c.requests, c.prompt_tokens, c.output_tokens) == (10, 1000, 250)
     assert (c.ttft_sum, c.ttft_count, c.tpot_sum, c.tpot_count) == (2.5, 10, 0.9, 9)
-    assert c.minus(Counters(requests=4)).requests == 6 and not math.isnan(c.ttft_sum)
+    assert c.prompt_hist == {64.0: 4.0, 128.0: 9.0, math.inf: 10.0}
+    assert c.steps == {"decode": [3.0, 150.0, 600.0, 0.0]}  # mixed steps are not a decode step's price
+    earlier = Counters(requests=4, prompt_hist={64.0: 1.0, 128.0: 2.0, math.inf: 2.0},
+                       steps={"decode": [1.0, 50.0, 100.0, 0.0]})
+    window = c.minus(earlier)
+    assert window.requests == 6 and not math.isnan(c.ttft_sum)
+    assert window.prompt_hist == {64.0: 3.0, 128.0: 7.0, math.inf: 8.0} and window.steps["decode"][:3] == [2, 100, 500]
+
+
+def test_the_planner_replays_the_observed_lengths_scaled_to_their_means():
+    import random
+
+    hist = {64.0: 50.0, 1024.0: 60.0, 2048.0: 100.0}  # half short, half long (cumulative counts)
+    drawn = sample_lengths(hist, 900.0, 2000, random.Random(0))
+    assert abs(sum(drawn) / len(drawn) - 900) < 1 and min(drawn) >= 1
+    assert sum(1 for x in drawn if x < 100) > 0.35 * len(drawn) and max(drawn) > 1500  # the shape kept
+    assert sample_lengths({}, 37.4, 3, random.Random(0)) == [37, 37, 37]
+
+
+def test_corrections_come_from_the_workers_step_times_never_from_ttft():
+    from deploy.sim_worker import StepShape
+
+    p = _profile()
+    exact, seconds = _window(0.5, 400, 50, Pools(1, 1), p)
+    price = p.step_s(StepShape((425,) * 4, (), 4))  # what the profile says a decode step of 4 at context 425 costs
+    window = dataclasses.replace(exact, ttft_sum=exact.ttft_sum * 100,  # TTFT far off: queueing, not compute
+                                 steps={"decode": [2 * price * 100, 100.0, 400.0, 400.0]})
+    reason = Planner(p, 2.0, 0.1).decide(window, seconds, Pools(1, 1)).reason
+    assert "decode x2.00" in reason and "workers' step times" in reason and "prefill x2.00" in reason, reason
 
 
 def test_calibration_recovers_the_serving_overheads_of_a_run():
