@@ -17,11 +17,15 @@ without its constant. The profile is a JSON file: the raw points and the coeffic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +60,7 @@ class Profile:
     step_coef: list[float] = field(default_factory=list)
     step_points: list[list] = field(default_factory=list)  # [decode contexts, [[start, new], ...], sampled, seconds]
     step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
+    siblings: int = 0  # busy worker processes beside the measurement (`pdserve profile --siblings`)
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
         a, b, c = self.prefill_coef
@@ -123,7 +128,43 @@ def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
 
 
 def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: float = 1.0,
-            block_size: int = 16, max_num_batched_tokens: int = 512, say=print) -> Profile:
+            block_size: int = 16, max_num_batched_tokens: int = 512, say=print, siblings: int = 0) -> Profile:
+    """`siblings`: busy worker processes beside the measurement (deploy/profile_sibling.py),
+    as many as a deployment runs beside each worker on the same machine."""
+    with busy_siblings(model, dtype, threads, siblings, say):
+        profile = _measure(model, dtype, threads, grid, kv_memory_gib, block_size, max_num_batched_tokens, say)
+    profile.siblings = siblings
+    return profile
+
+
+@contextlib.contextmanager
+def busy_siblings(model: str, dtype: str, threads: int, count: int, say) -> Iterator[None]:
+    """`count` sibling workers busy for the duration (started and ready first, stopped after)."""
+    procs = []
+    try:
+        for _ in range(count):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "deploy.profile_sibling", "--model", model, "--dtype", dtype, "--threads",
+                 str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
+        for proc in procs:
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a profile sibling did not start (exit code {proc.wait()})")
+        if procs:
+            say(f"{count} busy sibling worker(s) beside the measurement")
+        yield
+    finally:
+        for proc in procs:
+            try:
+                proc.stdin.close()  # its signal to stop
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+
+
+def _measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: float, block_size: int,
+             max_num_batched_tokens: int, say) -> Profile:
     import torch
 
     from engine import LLMEngine, SamplingParams
@@ -235,6 +276,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
     p.add_argument("--transfer-ms", type=float, default=4.0, help="KV transfer time per request (bench.transfer)")
     p.add_argument("--quick", action="store_true", help="fewer points (about 20 s for SmolLM2)")
+    p.add_argument("--siblings", type=int, default=0,
+                   help="busy worker processes beside the measurement: the deployment's other workers on this "
+                        "machine (a worker of 2 on 2 cores: 1), whose share of cores, caches and memory bandwidth "
+                        "an isolated profile does not see")
     p.add_argument("--out", default="profile.json")
     p.set_defaults(run=run_profile)
 
@@ -246,7 +291,7 @@ def run_profile(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     say(f"measuring {args.model} ({args.dtype}, {args.threads} thread(s)){' quickly' if args.quick else ''}")
     profile = measure(args.model, args.dtype, args.threads, QUICK if args.quick else FULL, args.kv_memory_gib,
-                      say=say)
+                      say=say, siblings=args.siblings)
     profile.transfer_s = args.transfer_ms / 1e3
     profile.save(args.out)
     pre, dec = profile.fit_error()

@@ -122,7 +122,10 @@ def test_profile_measures_a_real_engine(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48],
             "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3]}
-    p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=lambda m: None)
+    said = []
+    p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=said.append,
+                siblings=1)  # a busy worker process beside it, started first and stopped after
+    assert p.siblings == 1 and any("busy sibling" in m for m in said)
     assert [pt[:2] for pt in p.prefill_points[:2]] == [[16, 0], [64, 0]]
     assert [c for _, c, _ in p.prefill_points[2:]] == [0, 64]  # the 160-token prompt: its two full chunks
     assert [pt[0] for pt in p.decode_points] == [1, 1, 4, 4] and all(s > 0 for *_, s in p.decode_points)
