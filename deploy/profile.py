@@ -54,6 +54,7 @@ class Profile:
     transfer_s: float = 0.004  # KV push per request (bench.transfer: ~3 ms for 2k SmolLM2 tokens)
     ttft_overhead_s: float = 0.0  # the serving path's latency to the client (HTTP, gRPC, routing); calibrated
     step_overhead_s: float = 0.0  # what serving adds to each decode step (streaming, contention); calibrated
+    token_overhead_s: float = 0.0  # and per sequence in it (each token's message, detokenization, SSE); calibrated
     rpc_s: float = 0.001  # one gRPC message between processes (gateway -> decode, decode <-> prefill)
     # The step model fitted on mixed steps of the real runner (deploy/step_cost.py: coefficients
     # in its NAMES order); empty: the two models above price a step.
@@ -68,7 +69,7 @@ class Profile:
 
     def decode_step_s(self, batch: int, context: float) -> float:
         a, b, c = self.decode_coef
-        return self.step_overhead_s + a + b * batch + c * batch * context
+        return self.step_overhead_s + self.token_overhead_s * batch + a + b * batch + c * batch * context
 
     def step_s(self, shape) -> float:
         """One engine step of `shape` (deploy.sim_worker.StepShape): the fitted step model where
@@ -79,7 +80,8 @@ class Profile:
         if self.step_coef:
             from deploy.step_cost import StepCost
 
-            return StepCost(self.step_coef).seconds(shape) + (self.step_overhead_s if decodes else 0.0)
+            serving = self.step_overhead_s + self.token_overhead_s * len(decodes) if decodes else 0.0
+            return StepCost(self.step_coef).seconds(shape) + serving
         cost = self.decode_step_s(len(decodes), statistics.fmean(decodes)) if decodes else 0.0
         for i, (start, new) in enumerate(shape.prefill_chunks):
             cost += self.prefill_step_s(new, start, with_constant=i == 0 and not decodes)

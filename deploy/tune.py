@@ -85,24 +85,58 @@ def p90_error_interval(pairs: list[tuple[float, float]], resamples: int = 1000, 
 
 
 def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float) -> Profile:
-    """The profile with the serving overheads measured on the bench's lowest-rate run: the mean
-    TPOT the simulator misses becomes a per-step overhead, then the mean TTFT it misses a
-    per-request one (what HTTP, gRPC, streaming and the other processes on the machine add)."""
-    runs = [r for r in bench.get("runs", []) if r.get("rate")]
+    """The profile with the serving overheads measured on the bench's runs (what HTTP, gRPC,
+    streaming and the other processes on the same cores add). The decode steps' share is
+    `step_overhead_s + token_overhead_s * sequences in the step` (streaming costs per token):
+    the two are fitted so that the simulator's mean TPOT matches the lowest-rate run and the
+    highest-rate one that still met the SLOs for 90% of its requests (past saturation the
+    queue, not the step, sets the batch), whose decode batches differ (a few rounds: a slower
+    step makes bigger batches); one run, or batches too alike, fit the per-step part alone.
+    Then the mean TTFT the simulator misses on the lowest-rate run becomes a per-request
+    latency."""
+    runs = sorted((r for r in bench.get("runs", []) if r.get("rate")), key=lambda r: r["rate"])
     if not runs:
         return profile
-    low = min(runs, key=lambda r: r["rate"])
-    done = [r for r in low["requests"] if r.get("status") == "ok"]
-    t0 = min(r["arrival_s"] for r in low["requests"])
-    requests = [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"]) for r in done]
-    tpots = [r["tpot_s"] for r in done if r.get("tpot_s") is not None]
-    profile = dataclasses.replace(profile, ttft_overhead_s=0.0, step_overhead_s=0.0)
-    if tpots:
-        sim = summarize(simulate(profile, pools, requests), slo_ttft, slo_tpot)
-        profile.step_overhead_s = max(0.0, statistics.fmean(tpots) - sim["mean_tpot"])
-    sim = summarize(simulate(profile, pools, requests), slo_ttft, slo_tpot)
+    profile = dataclasses.replace(profile, ttft_overhead_s=0.0, step_overhead_s=0.0, token_overhead_s=0.0)
+    served = [r for r in runs[1:] if _attainment(r, slo_ttft, slo_tpot) >= TARGET_ATTAINMENT]
+    fitted = [_replay(r) for r in [runs[0], *served[-1:]]]
+    fitted = [(reqs, tpots) for reqs, tpots, _ in fitted if tpots]
+    for _ in range(4 if fitted else 0):
+        points = []  # (mean decode batch, mean TPOT missed)
+        for reqs, tpots in fitted:
+            sim = simulate(profile, pools, reqs)
+            points.append((_decode_batch(sim), statistics.fmean(tpots) - summarize(sim, slo_ttft, slo_tpot)["mean_tpot"]))
+        (b1, m1), (b2, m2) = points[0], points[-1]
+        per_seq = (m2 - m1) / (b2 - b1) if len(points) > 1 and abs(b2 - b1) >= 1.0 else 0.0
+        profile.token_overhead_s = max(0.0, profile.token_overhead_s + per_seq)
+        profile.step_overhead_s = max(0.0, profile.step_overhead_s + m1 - per_seq * b1)
+    reqs, _, done = _replay(runs[0])
+    sim = summarize(simulate(profile, pools, reqs), slo_ttft, slo_tpot)
     profile.ttft_overhead_s = max(0.0, statistics.fmean(r["ttft_s"] for r in done) - sim["mean_ttft"])
     return profile
+
+
+def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:
+    good = sum(1 for r in run["requests"] if r.get("status") == "ok" and r["ttft_s"] <= slo_ttft
+               and (r.get("tpot_s") or 0.0) <= slo_tpot)
+    return good / len(run["requests"]) if run["requests"] else 0.0
+
+
+def _replay(run: dict) -> tuple[list[tuple[float, int, int]], list[float], list[dict]]:
+    """A measured run's finished requests as simulator input, their TPOTs, and the records."""
+    done = [r for r in run["requests"] if r.get("status") == "ok"]
+    t0 = min(r["arrival_s"] for r in run["requests"])
+    return ([(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"]) for r in done],
+            [r["tpot_s"] for r in done if r.get("tpot_s") is not None], done)
+
+
+def _decode_batch(reqs) -> float:
+    """Mean sequences decoding at once over a simulated run (Little's law: decode time over span)."""
+    decoding = [r for r in reqs if r.output > 1]
+    if not decoding:
+        return 0.0
+    span = max(r.finish for r in decoding) - min(r.first_token for r in decoding)
+    return sum(r.finish - r.first_token for r in decoding) / span if span > 0 else 1.0
 
 
 def goodput_of(rows: list[dict], key: str) -> float:
@@ -192,8 +226,9 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
     pools = Pools(args.prefill, args.decode)
     if args.calibrate and "runs" in bench:
         profile = calibrate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
-        print(f"calibrated on the lowest rate: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token, "
-              f"+{profile.step_overhead_s * 1e3:.0f} ms per decode step")
+        print(f"calibrated on the runs: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token, "
+              f"+{profile.step_overhead_s * 1e3:.1f} ms per decode step and {profile.token_overhead_s * 1e3:.2f} ms "
+              "per sequence in it")
         if args.save_profile:
             profile.save(args.save_profile)
     try:

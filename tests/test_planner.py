@@ -280,3 +280,20 @@ def test_calibration_recovers_the_serving_overheads_of_a_run():
     fitted = calibrate(_profile(), Pools(1, 1), bench, 2.0, 0.2)
     assert fitted.step_overhead_s == pytest.approx(0.03, rel=0.05)
     assert fitted.ttft_overhead_s == pytest.approx(0.2, rel=0.05)
+
+
+def test_calibration_separates_a_per_sequence_overhead_across_rates():
+    """Serving that costs per streamed token: a low and a high rate (small and large decode
+    batches) tell the per-step and the per-sequence parts apart."""
+    serving = _profile(step_overhead_s=0.01, token_overhead_s=0.004)
+    runs = []
+    for rate in (0.2, 3.0):
+        reqs = simulate(serving, Pools(0, 1), poisson_requests([(100, 120)] * 80, rate, seed=4))
+        runs.append({"rate": rate, "requests": [
+            {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
+             "tpot_s": r.tpot, "status": "ok"} for r in reqs]})
+    from deploy.tune import calibrate
+
+    fitted = calibrate(_profile(), Pools(0, 1), {"runs": runs}, 100.0, 10.0)  # both runs within the SLOs
+    assert fitted.token_overhead_s == pytest.approx(0.004, rel=0.25)
+    assert fitted.step_overhead_s == pytest.approx(0.01, abs=0.005)
