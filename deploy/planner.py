@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from deploy.profile import Profile
-from deploy.simulator import Pools, poisson_requests, simulate, summarize
+from deploy.simulator import Pools, percentile, poisson_requests, simulate, summarize
 
 CLAMP = (0.5, 4.0)
 MARGIN = 0.1  # a better split must cut the headroom ratio by 10% (or raise attainment by 5 points)
@@ -153,10 +153,10 @@ class Planner:
             scores[pools] = (s["attainment"], max(s["ttft_p90"] / self.slo_ttft, s["tpot_p90"] / self.slo_tpot),
                              s["ttft_p90"], s["tpot_p90"])
         best = max(scores, key=lambda k: (scores[k][0], -scores[k][1]))
-        ps, os_ = sorted(p for p, _ in lengths), sorted(o for _, o in lengths)
-        load = (f"{rate:.2f} req/s, prompt tokens mean {prompt:.0f} / p50 {ps[len(ps) // 2]} / p90 "
-                f"{ps[int(0.9 * len(ps))]}, output tokens mean {output:.0f} / p50 {os_[len(os_) // 2]} / p90 "
-                f"{os_[int(0.9 * len(os_))]}; corrections prefill x{f_prefill:.2f}, decode x{f_decode:.2f} ({basis}); "
+        ps, os_ = [p for p, _ in lengths], [o for _, o in lengths]
+        load = (f"{rate:.2f} req/s, prompt tokens mean {prompt:.0f} / p50 {percentile(ps, 50)} / p90 "
+                f"{percentile(ps, 90)}, output tokens mean {output:.0f} / p50 {percentile(os_, 50)} / p90 "
+                f"{percentile(os_, 90)}; corrections prefill x{f_prefill:.2f}, decode x{f_decode:.2f} ({basis}); "
                 f"predicted p90 TTFT / TPOT: " + ", ".join(f"{k} {v[2]:.2f}s / {v[3]:.3f}s" for k, v in scores.items()))
         if current not in scores or not _clearly_better(scores[best], scores[current]):
             return Decision(current, best, f"{load}: {current} stays")

@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from deploy.step_cost import StepCost, nnls, price
+
 # `mixed_*`: the step model's points (deploy/step_cost.py): B prompts of C tokens at once, run
 # to a few tokens each (prefill chunks, then decodes), for every pair that fits the KV pool;
 # then B sequences decoding while a long prompt is prefilled beside them in chunks.
@@ -78,19 +80,17 @@ class Profile:
         any, else with the first chunk's). Serving's per-step overhead goes on steps that decode."""
         decodes = shape.decode_contexts
         if self.step_coef:
-            from deploy.step_cost import StepCost
-
             serving = self.step_overhead_s + self.token_overhead_s * len(decodes) if decodes else 0.0
-            return StepCost(self.step_coef).seconds(shape) + serving
+            return price(self.step_coef, shape) + serving
         cost = self.decode_step_s(len(decodes), statistics.fmean(decodes)) if decodes else 0.0
         for i, (start, new) in enumerate(shape.prefill_chunks):
             cost += self.prefill_step_s(new, start, with_constant=i == 0 and not decodes)
         return cost
 
     def fit(self) -> Profile:
-        self.prefill_coef = _nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],
+        self.prefill_coef = nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],
                                   [s for *_, s in self.prefill_points])
-        self.decode_coef = _nnls([[1.0, b, b * ctx] for b, ctx, _ in self.decode_points],
+        self.decode_coef = nnls([[1.0, b, b * ctx] for b, ctx, _ in self.decode_points],
                                  [s for *_, s in self.decode_points])
         return self
 
@@ -110,23 +110,6 @@ class Profile:
             return cls(**data)
         except (OSError, ValueError, TypeError) as e:
             raise ValueError(f"{path}: not a pdserve profile ({e}); make one with `pdserve profile`") from None
-
-
-def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with coefficients >= 0 (drop a negative one and refit: 3 unknowns at most)."""
-    import numpy as np
-
-    a, b = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
-    active = list(range(a.shape[1]))
-    while True:
-        coef = np.zeros(a.shape[1])
-        if active:
-            sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
-            coef[active] = sol
-        negative = [i for i in active if coef[i] < 0]
-        if not negative:
-            return [float(c) for c in coef]
-        active.remove(min(negative, key=lambda i: coef[i]))
 
 
 def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: float = 1.0,
@@ -258,8 +241,6 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
         if batch * 300 + long <= room:
             run_all([(prompt(200), 24 + long // profile.max_num_batched_tokens) for _ in range(batch)]
                     + [(prompt(long), 2)])
-    from deploy.step_cost import StepCost
-
     model = StepCost.fit(points)
     profile.step_coef = model.coef
     profile.step_error = [model.held_out_error, model.held_out_p90_error]

@@ -71,8 +71,11 @@ class SimWorker:
         shape is read before (a chunk samples if it reaches the sequence's last token)."""
         out = self.scheduler.schedule()
         shape = StepShape.of(out)
-        sampled = {c.seq.request_id: SIM_TOKEN for c in out.chunks if c.sample}
-        return out, shape, self.scheduler.update_from_output(out, sampled)
+        return out, shape, self.apply(out)
+
+    def apply(self, out: SchedulerOutput) -> list[SequenceUpdate]:
+        """The outcome of a scheduled step: progress, a SIM_TOKEN for every row that samples."""
+        return self.scheduler.update_from_output(out, {c.seq.request_id: SIM_TOKEN for c in out.chunks if c.sample})
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()

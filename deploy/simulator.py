@@ -119,7 +119,8 @@ class _Sim:
     def arrive(self, t: float, rid: str) -> None:
         req, prompt = self.requests[rid]
         for w in self.decode + self.prefill:  # fresh Stats
-            self.states[w.name].observe(w.kv.num_free_blocks, w.kv.num_total_blocks, w.kv.block_size, w.waiting_tokens())
+            kv = w.kv
+            self.states[w.name].observe(kv.num_free_blocks, kv.num_total_blocks, kv.block_size, w.waiting_tokens())
         target = self.router.pick_decode(req.prompt)
         target.outstanding_tokens += req.prompt + req.output
         prefill = self.router.rank_prefill(prompt)
@@ -158,8 +159,7 @@ class _Sim:
 
     def stepped(self, t: float, name: str, out) -> None:
         w = self.workers[name]
-        sampled = {c.seq.request_id: self.token for c in out.chunks if c.sample}
-        updates = w.scheduler.update_from_output(out, sampled)
+        updates = w.apply(out)
         if w in self.prefill:
             self.prefilled(t, name, updates)
             return
@@ -185,14 +185,11 @@ class _Sim:
     def prefilled(self, t: float, name: str, updates) -> None:
         """A prefill worker's step ended: push the prompts it finished, wait briefly for the
         pushes, go on."""
-        w = self.workers[name]
         done = [u.request_id for u in updates if u.new_token_ids]
         for rid in done:
-            pushed = t + self.p.transfer_s
-            self.at(pushed, self.pushed, name, rid)
+            self.at(t + self.p.transfer_s, self.pushed, name, rid)
         wait = min(self.p.transfer_s, LAST_PUSH_WAIT_S) if done else 0.0
-        w.busy = True
-        self.at(t + wait, self.iterate, name)
+        self.at(t + wait, self.iterate, name)  # still busy: messages meanwhile wait for that iteration
 
     def pushed(self, t: float, name: str, rid: str) -> None:
         self.send(t, name, lambda now: self.workers[name].scheduler.release(rid))

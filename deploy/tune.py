@@ -45,16 +45,13 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
                          "with --deployment NAME")
     rows = []
     for run in bench["runs"]:
-        done = [r for r in run["requests"] if r.get("status") == "ok"]
+        requests, tpots, done = _replay(run)
         if not done:
             continue
-        t0 = min(r["arrival_s"] for r in run["requests"])
-        simulated = simulate(profile, pools, [(r["arrival_s"] - t0, r["prompt_tokens"], r["output_tokens"])
-                                              for r in done])
+        simulated = simulate(profile, pools, requests)
         sim = summarize(simulated, slo_ttft, slo_tpot)
         measured_ttft = _p90([r["ttft_s"] for r in done])
-        measured_tpot = _p90([r["tpot_s"] for r in done if r.get("tpot_s") is not None])
-        good = sum(1 for r in done if r["ttft_s"] <= slo_ttft and (r.get("tpot_s") or 0.0) <= slo_tpot)
+        measured_tpot = _p90(tpots)
         pairs_ttft = [(r["ttft_s"], s.ttft) for r, s in zip(done, simulated)]
         pairs_tpot = [(r["tpot_s"], s.tpot) for r, s in zip(done, simulated) if r.get("tpot_s") is not None]
         rows.append({"rate": run.get("rate"), "requests": len(done),
@@ -62,7 +59,8 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
                      "ttft_p90_error_ci": p90_error_interval(pairs_ttft, resamples),
                      "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
                      "tpot_p90_error_ci": p90_error_interval(pairs_tpot, resamples),
-                     "measured_attainment": good / len(run["requests"]), "sim_attainment": sim["attainment"]})
+                     "measured_attainment": _attainment(run, slo_ttft, slo_tpot),
+                     "sim_attainment": sim["attainment"]})
     return rows
 
 
@@ -105,7 +103,8 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
         points = []  # (mean decode batch, mean TPOT missed)
         for reqs, tpots in fitted:
             sim = simulate(profile, pools, reqs)
-            points.append((_decode_batch(sim), statistics.fmean(tpots) - summarize(sim, slo_ttft, slo_tpot)["mean_tpot"]))
+            missed = statistics.fmean(tpots) - summarize(sim, slo_ttft, slo_tpot)["mean_tpot"]
+            points.append((_decode_batch(sim), missed))
         (b1, m1), (b2, m2) = points[0], points[-1]
         per_seq = (m2 - m1) / (b2 - b1) if len(points) > 1 and abs(b2 - b1) >= 1.0 else 0.0
         profile.token_overhead_s = max(0.0, profile.token_overhead_s + per_seq)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from deploy.planner import Counters, Planner, parse_metrics, sample_lengths
-from deploy.profile import Profile, _nnls, measure
+from deploy.profile import Profile, measure
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
 from deploy.step_cost import NAMES, StepCost, nnls
@@ -85,7 +85,7 @@ def test_fit_recovers_known_costs_and_keeps_coefficients_non_negative():
     p.prefill_coef = p.decode_coef = [0.0, 0.0, 0.0]
     p.fit()
     assert p.prefill_coef == pytest.approx(PRE, rel=1e-6) and p.decode_coef == pytest.approx(DEC, rel=1e-6)
-    assert _nnls([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])  # slope would be < 0
+    assert nnls([[1, 1], [1, 2], [1, 3]], [3.0, 2.0, 1.0]) == pytest.approx([2.0, 0.0])  # slope would be < 0
 
 
 def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
@@ -155,14 +155,18 @@ def test_tune_ranks_every_split_and_the_cli_prints_a_recommendation(tmp_path):
     assert "recommendation: " in out.stdout and len(json.loads((tmp_path / "t.json").read_text())) == 3
 
 
+def _bench_run(rate: float, reqs) -> dict:
+    """Simulated requests as one run of a `pdserve bench --json` file."""
+    return {"rate": rate, "requests": [
+        {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
+         "tpot_s": r.tpot, "status": "ok"} for r in reqs]}
+
+
 def test_validation_of_a_run_the_simulator_itself_produced_has_no_error():
     p = _profile()
     runs = []
     for rate in (0.5, 4.0):
-        reqs = simulate(p, Pools(1, 1), poisson_requests([(300, 40)] * 50, rate, seed=2))
-        runs.append({"rate": rate, "requests": [
-            {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
-             "tpot_s": r.tpot, "status": "ok"} for r in reqs]})
+        runs.append(_bench_run(rate, simulate(p, Pools(1, 1), poisson_requests([(300, 40)] * 50, rate, seed=2))))
     rows = validate(p, Pools(1, 1), {"runs": runs}, slo_ttft=0.5, slo_tpot=0.05)
     for row in rows:
         assert row["sim_ttft_p90"] == pytest.approx(row["measured_ttft_p90"])
@@ -271,10 +275,7 @@ def test_corrections_come_from_the_workers_step_times_never_from_ttft():
 
 def test_calibration_recovers_the_serving_overheads_of_a_run():
     serving = _profile(ttft_overhead_s=0.2, step_overhead_s=0.03)  # what the "measured" run had
-    reqs = simulate(serving, Pools(1, 1), poisson_requests([(300, 40)] * 40, 0.2, seed=3))
-    bench = {"runs": [{"rate": 0.2, "requests": [
-        {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
-         "tpot_s": r.tpot, "status": "ok"} for r in reqs]}]}
+    bench = {"runs": [_bench_run(0.2, simulate(serving, Pools(1, 1), poisson_requests([(300, 40)] * 40, 0.2, seed=3)))]}
     from deploy.tune import calibrate
 
     fitted = calibrate(_profile(), Pools(1, 1), bench, 2.0, 0.2)
@@ -288,10 +289,7 @@ def test_calibration_separates_a_per_sequence_overhead_across_rates():
     serving = _profile(step_overhead_s=0.01, token_overhead_s=0.004)
     runs = []
     for rate in (0.2, 3.0):
-        reqs = simulate(serving, Pools(0, 1), poisson_requests([(100, 120)] * 80, rate, seed=4))
-        runs.append({"rate": rate, "requests": [
-            {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
-             "tpot_s": r.tpot, "status": "ok"} for r in reqs]})
+        runs.append(_bench_run(rate, simulate(serving, Pools(0, 1), poisson_requests([(100, 120)] * 80, rate, seed=4))))
     from deploy.tune import calibrate
 
     fitted = calibrate(_profile(), Pools(0, 1), {"runs": runs}, 100.0, 10.0)  # both runs within the SLOs
