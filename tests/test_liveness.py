@@ -15,7 +15,7 @@ import pytest
 
 from engine import envs
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepStats
 from engine.sampling_params import SamplingParams
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import wait_until
@@ -141,6 +141,8 @@ def test_the_slow_factor_stretches_each_step(model, monkeypatch):
     loop.engine.warm_up = timed
     seconds = loop.warm_up()
     assert seconds >= 3 * inner[0] and loop.liveness.longest_step_s == seconds
+    # What the worker reports of a step (metrics, Stats) is stretched alike: the planner reads it.
+    assert loop.reported(StepStats(8, 1, 0.02)).seconds == pytest.approx(0.06) and loop.reported(None) is None
     monkeypatch.setenv(envs.FAULT_SLOW_FACTOR, "0.5")
     with pytest.raises(ValueError, match="must be a number >= 1"):
         _loop(model)
@@ -155,6 +157,7 @@ def test_the_step_floor_makes_each_working_step_last_at_least_it(model, monkeypa
     t0 = time.perf_counter()
     assert loop._stretch(t0, 0) < 0.3
     assert loop._stretch(time.perf_counter(), 5) >= 0.3
+    assert loop.reported(StepStats(5, 1, 0.01)).seconds == 0.3 and loop.reported(StepStats(0, 0, 0.01)).seconds == 0.01
     for bad in ("-1", "soon", "inf"):
         monkeypatch.setenv(envs.FAULT_STEP_FLOOR_S, bad)
         with pytest.raises(ValueError, match="must be a number of seconds >= 0"):

@@ -13,6 +13,7 @@ own step times, and an idle one by a real probe through the loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import envs
-from engine.llm_engine import LLMEngine, StepResult
+from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.scheduler import SchedulerOutput
 from worker import metrics
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
@@ -276,6 +277,17 @@ class EngineLoop:
             return time.perf_counter() - t0
         return took
 
+    def reported(self, stats: StepStats | None) -> StepStats | None:
+        """The engine's own step time as the injected slow host makes it (envs.fault_slow_factor,
+        envs.fault_step_floor_s), for what the worker reports (its metrics, Stats): the online
+        planner corrects its costs from these, so a stretched host must look stretched there too."""
+        if stats is None or (self._slow_factor <= 1 and self._step_floor_s <= 0):
+            return stats
+        seconds = stats.seconds * self._slow_factor
+        if stats.num_tokens > 0:
+            seconds = max(seconds, self._step_floor_s)
+        return dataclasses.replace(stats, seconds=seconds)
+
     def _stalled(self) -> bool:
         """The injected wedge (envs.fault_stall_file): its file exists and is empty or names us."""
         if self._stall_file is None or self._stop.is_set():
@@ -293,9 +305,10 @@ class EngineLoop:
             t0 = time.perf_counter()
             out, result = self._schedule_and_execute()
             self.liveness.stepped(self._stretch(t0, out.num_tokens), out.num_tokens)
-            if result.stats is not None:
-                self.last_step_seconds = result.stats.seconds
-            metrics.observe_step(out, result.stats)
+            stats = self.reported(result.stats)
+            if stats is not None:
+                self.last_step_seconds = stats.seconds
+            metrics.observe_step(out, stats)
             busy |= result.ran or bool(result.outputs)
             self.on_step(result)
         return busy
