@@ -85,6 +85,9 @@ class _Sim:
         self.decode = [SimWorker(f"decode-{i}", config, blocks, profile.block_size) for i in range(pools.decode)]
         self.prefill = [SimWorker(f"prefill-{i}", config, blocks, profile.block_size) for i in range(pools.prefill)]
         self.workers = {w.name: w for w in self.decode + self.prefill}
+        self.decode_names = {w.name for w in self.decode}
+        # A prefill worker's measured iterations already hold its wait for its pushes.
+        self.push_wait_s = 0.0 if "prefill" in profile.loop_terms else min(profile.transfer_s, LAST_PUSH_WAIT_S)
         self.router = Router([w.name for w in self.decode], [w.name for w in self.prefill], profile.block_size)
         self.states = {s.address: s for s in self.router.decode + self.router.prefill}  # the gateway's view
         self.events: list = []
@@ -155,7 +158,8 @@ class _Sim:
             w.busy = False
             return
         w.busy = True
-        self.at(t + self.p.step_s(self.shape_of(out)), self.stepped, name, out)
+        role = "decode" if name in self.decode_names else "prefill"
+        self.at(t + self.p.step_s(self.shape_of(out), role), self.stepped, name, out)
 
     def stepped(self, t: float, name: str, out) -> None:
         w = self.workers[name]
@@ -188,7 +192,7 @@ class _Sim:
         done = [u.request_id for u in updates if u.new_token_ids]
         for rid in done:
             self.at(t + self.p.transfer_s, self.pushed, name, rid)
-        wait = min(self.p.transfer_s, LAST_PUSH_WAIT_S) if done else 0.0
+        wait = self.push_wait_s if done else 0.0
         self.at(t + wait, self.iterate, name)  # still busy: messages meanwhile wait for that iteration
 
     def pushed(self, t: float, name: str, rid: str) -> None:

@@ -18,6 +18,7 @@ import math
 import random
 import statistics
 import sys
+from pathlib import Path
 
 from deploy.profile import Profile
 from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, simulate, summarize
@@ -96,6 +97,8 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
     if not runs:
         return profile
     profile = dataclasses.replace(profile, ttft_overhead_s=0.0, step_overhead_s=0.0, token_overhead_s=0.0)
+    if profile.loop_terms:  # the steps' costs come from the deployment's step logs: only the path's latency here
+        return _calibrate_ttft(profile, pools, runs[0], slo_ttft, slo_tpot)
     served = [r for r in runs[1:] if _attainment(r, slo_ttft, slo_tpot) >= TARGET_ATTAINMENT]
     fitted = [_replay(r) for r in [runs[0], *served[-1:]]]
     fitted = [(reqs, tpots) for reqs, tpots, _ in fitted if tpots]
@@ -109,10 +112,35 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
         per_seq = (m2 - m1) / (b2 - b1) if len(points) > 1 and abs(b2 - b1) >= 1.0 else 0.0
         profile.token_overhead_s = max(0.0, profile.token_overhead_s + per_seq)
         profile.step_overhead_s = max(0.0, profile.step_overhead_s + m1 - per_seq * b1)
-    reqs, _, done = _replay(runs[0])
+    return _calibrate_ttft(profile, pools, runs[0], slo_ttft, slo_tpot)
+
+
+def _calibrate_ttft(profile: Profile, pools: Pools, run: dict, slo_ttft: float, slo_tpot: float) -> Profile:
+    """The mean TTFT the simulator misses on `run` (the lowest rate) as a per-request latency."""
+    reqs, _, done = _replay(run)
     sim = summarize(simulate(profile, pools, reqs), slo_ttft, slo_tpot)
     profile.ttft_overhead_s = max(0.0, statistics.fmean(r["ttft_s"] for r in done) - sim["mean_ttft"])
     return profile
+
+
+def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
+    """The profile with each role's loop terms fitted on the step logs under `roots`."""
+    from deploy.step_fit import describe, fit, read_steps
+    from deploy.trace import log_files
+
+    if not profile.step_coef:
+        print("pdserve tune --steps: the profile has no step model (make it with this version's `pdserve profile`)",
+              file=sys.stderr)
+        return None
+    steps = list(read_steps(log_files(roots)))
+    terms = fit(profile.step_coef, steps)
+    if not terms:
+        print(f"pdserve tune --steps: no step lines under {', '.join(map(str, roots))} (run the deployment with "
+              "PDSERVE_STEP_LOG=1)", file=sys.stderr)
+        return None
+    print(f"fitted on {len(steps)} logged steps: {describe(terms)}")
+    return dataclasses.replace(profile, loop_terms={role: [t.scale, t.fixed_s, t.per_sampled_s]
+                                                    for role, t in terms.items()})
 
 
 def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:
@@ -179,7 +207,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--deployment", help="with --validate of a `pdserve bench --compare` file: which deployment")
     p.add_argument("--calibrate", action="store_true",
                    help="with --validate: first measure the serving overheads on the lowest-rate run")
-    p.add_argument("--save-profile", help="with --calibrate: write the calibrated profile here (for tune)")
+    p.add_argument("--steps", action="append", type=Path,
+                   help="with --validate: the measured deployment's log folder (repeatable), its workers run with "
+                        "PDSERVE_STEP_LOG=1: fit each role's step costs in that deployment from their step logs")
+    p.add_argument("--save-profile", help="with --calibrate or --steps: write the calibrated profile here (for tune)")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
 
@@ -223,11 +254,17 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
             print(f"pdserve tune: {args.validate} has no deployment {args.deployment!r}", file=sys.stderr)
             return 2
     pools = Pools(args.prefill, args.decode)
+    if args.steps:
+        profile = _fit_steps(profile, args.steps)
+        if profile is None:
+            return 2
+        if args.save_profile and not args.calibrate:
+            profile.save(args.save_profile)
     if args.calibrate and "runs" in bench:
         profile = calibrate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
-        print(f"calibrated on the runs: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token, "
-              f"+{profile.step_overhead_s * 1e3:.1f} ms per decode step and {profile.token_overhead_s * 1e3:.2f} ms "
-              "per sequence in it")
+        steps = "" if profile.loop_terms else (f", +{profile.step_overhead_s * 1e3:.1f} ms per decode step and "
+                                               f"{profile.token_overhead_s * 1e3:.2f} ms per sequence in it")
+        print(f"calibrated on the runs: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token{steps}")
         if args.save_profile:
             profile.save(args.save_profile)
     try:

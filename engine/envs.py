@@ -30,6 +30,13 @@ def step_metrics_enabled() -> bool:
     return _flag("PDSERVE_STEP_METRICS", True)
 
 
+def step_log_enabled() -> bool:
+    """PDSERVE_STEP_LOG: workers log every engine step's shape and times as a JSON line
+    (worker/step_log.py), for `pdserve tune --steps` to fit the step model's contention and
+    loop terms from a deployment; 1 / on / true turns it on (default off: a line per step)."""
+    return _flag("PDSERVE_STEP_LOG", False)
+
+
 def _flag(name: str, default: bool) -> bool:
     value = os.environ.get(name, "").strip().lower()
     if not value:

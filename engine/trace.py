@@ -37,6 +37,11 @@ def set_process(role: str, name: str = "") -> None:
     _process = f"{role} {name}".strip()
 
 
+def process() -> str:
+    """This process's name in its events ("decode d0"; "?" before set_process)."""
+    return _process
+
+
 def enabled() -> bool:
     return envs.trace_enabled() and _log.isEnabledFor(logging.INFO)
 

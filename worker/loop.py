@@ -22,10 +22,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine import envs
+from engine import envs, trace
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.scheduler import SchedulerOutput
-from worker import metrics
+from worker import metrics, step_log
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class EngineLoop:
         self.closing = False  # shutting down: no new request is taken
         self.failing = 0  # iterations in a row that raised; 0 once one succeeds
         self.last_error = ""
+        self._step_log = envs.step_log_enabled()
+        self._last_step_end: float | None = None  # perf_counter at the end of the last step's iteration
+        self._shape: dict = {}  # the step being run, as the step log writes it
         self._idle_command: Callable[[], None] | None = None
         self._probe: Future | None = None  # the probe in flight: concurrent deep checks share it
         self._probe_lock = threading.Lock()
@@ -93,6 +96,8 @@ class EngineLoop:
 
     def _schedule_and_execute(self) -> tuple[SchedulerOutput, StepResult]:
         out = self.engine.schedule()
+        if self._step_log:
+            self._shape = step_log.shape(out)
         self.on_scheduled(out)
         try:
             return out, self.engine.execute(out, self.between_layers)
@@ -251,6 +256,7 @@ class EngineLoop:
                     self._give_up(self.last_error)
                 busy = True
             if not busy:
+                self._last_step_end = None  # the next step's gap is not the loop's work
                 try:  # sleep until a command arrives; it runs at the top of the next iteration
                     self._idle_command = self._commands.get(timeout=_IDLE_WAIT_S)
                 except queue.Empty:
@@ -311,6 +317,11 @@ class EngineLoop:
             metrics.observe_step(out, stats)
             busy |= result.ran or bool(result.outputs)
             self.on_step(result)
+            if self._step_log and result.stats is not None:
+                ended = time.perf_counter()
+                gap = None if self._last_step_end is None else t0 - self._last_step_end
+                step_log.record(trace.process(), self._shape, stats.seconds, t0, ended, gap)
+                self._last_step_end = ended
         return busy
 
     def _drain(self) -> bool:
