@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 import math
 import random
 import statistics
@@ -37,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deploy.profile import Profile
+from deploy.step_fit import TOKEN_WINDOW_S
 
 TARGET_ATTAINMENT = 0.9
 LAST_PUSH_WAIT_S = 0.005  # prefill/worker.py's _LAST_PUSH_WAIT_S: a finishing step's wait for its pushes
@@ -86,6 +88,8 @@ class _Sim:
         self.prefill = [SimWorker(f"prefill-{i}", config, blocks, profile.block_size) for i in range(pools.prefill)]
         self.workers = {w.name: w for w in self.decode + self.prefill}
         self.decode_names = {w.name for w in self.decode}
+        self.streamed: deque[tuple[float, int]] = deque()  # (time, tokens) the decode workers streamed
+        self.streamed_in_window = 0
         # A prefill worker's measured iterations already hold its wait for its pushes.
         self.push_wait_s = 0.0 if "prefill" in profile.loop_terms else min(profile.transfer_s, LAST_PUSH_WAIT_S)
         self.router = Router([w.name for w in self.decode], [w.name for w in self.prefill], profile.block_size)
@@ -159,7 +163,17 @@ class _Sim:
             return
         w.busy = True
         role = "decode" if name in self.decode_names else "prefill"
-        self.at(t + self.p.step_s(self.shape_of(out), role), self.stepped, name, out)
+        self.at(t + self.p.step_s(self.shape_of(out), role, self.token_rate(t)), self.stepped, name, out)
+
+    def stream(self, t: float, tokens: int) -> None:
+        self.streamed.append((t, tokens))
+        self.streamed_in_window += tokens
+
+    def token_rate(self, t: float) -> float:
+        """Tokens streamed per second over the window before t (what contention is priced at)."""
+        while self.streamed and self.streamed[0][0] <= t - TOKEN_WINDOW_S:
+            self.streamed_in_window -= self.streamed.popleft()[1]
+        return self.streamed_in_window / TOKEN_WINDOW_S
 
     def stepped(self, t: float, name: str, out) -> None:
         w = self.workers[name]
@@ -167,6 +181,7 @@ class _Sim:
         if w in self.prefill:
             self.prefilled(t, name, updates)
             return
+        self.stream(t, len(updates))
         for u in updates:
             req, _ = self.requests[u.request_id]
             if req.first_token == math.inf:
@@ -205,6 +220,7 @@ class _Sim:
                 return
             req, _ = self.requests[rid]
             req.first_token = now  # the decode worker streams the first token as it sees the KV
+            self.stream(now, 1)
             if update.finish_reason is not None:
                 self.finish(now, rid)
         self.send(t + self.p.rpc_s, decode, kv_ready)

@@ -7,38 +7,41 @@ transfers, schedules, streams every sampled token to the gateway (a decode worke
 the KV pushes of finished prompts and waits briefly for them (a prefill worker). Run with
 PDSERVE_STEP_LOG=1, every worker logs each step's shape and times; this fits, per role:
 
-    engine step   = scale * price(shape)                  # contention on the engine's work
+    engine step   = price(shape) * (scale + per_token_rate * tokens streamed per second)
     one iteration = engine step + fixed_s + per_sampled_s * rows sampled
 
-`scale` is the ratio of the logged engine time to the profile's price over all steps (a
-time-weighted mean: long steps count as much as they take); the loop terms are fitted by
-non-negative least squares on the rest of each iteration (its own schedule, execute and
-output handling, plus the loop's work before the next step when it did not go idle). A
-decode worker's sampled rows are the tokens it streams, a prefill worker's the prompts it
-finishes (each a push), so one form covers both roles. The simulator prices a worker's
-iterations with its role's terms (Profile.loop_terms) when the profile has them.
+The engine step's factor is contention: the cores it shares, and more so the more tokens
+the deployment streams (each costs CPU in the decode worker's gRPC threads, the gateway
+and the client, all on the same cores); the streamed rate is that of the whole deployment
+over the TOKEN_WINDOW_S before the step. Both are fitted by non-negative least squares on
+the logged engine times; the loop terms on the rest of each iteration (its own schedule,
+execute and output handling, plus the loop's work before the next step when it did not go
+idle). A decode worker's sampled rows are the tokens it streams, a prefill worker's the
+prompts it finishes (each a push), so one form covers both roles. The simulator prices a
+worker's iterations with its role's terms (Profile.loop_terms) when the profile has them.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.sim_worker import StepShape
 from deploy.step_cost import nnls, price
 
 _MARK = " pdserve.step: "
 ROLES = ("prefill", "decode")  # an aggregated worker is a decode worker that prefills too
+TOKEN_WINDOW_S = 2.0  # the streamed-token rate a step's contention is priced at: over this window before it
 
 
 @dataclass(frozen=True)
 class LoggedStep:
     t: float  # wall-clock start of the iteration
     process: str  # "decode d0", "prefill p0-..."
-    shape: StepShape
+    shape: object  # deploy.sim_worker.StepShape
     engine_s: float
     busy_s: float  # schedule + execute + output handling
     gap_s: float | None  # the loop's work before this step since the last one (None: it was idle)
@@ -55,15 +58,22 @@ class LoopTerms:
     scale: float
     fixed_s: float
     per_sampled_s: float
+    per_token_rate: float = 0.0  # the scale's growth per token/s the deployment streams
     steps: int = 0  # steps it was fitted on
     error: float = 0.0  # mean relative error of the fitted iteration time over those steps
 
-    def iteration_s(self, engine_price_s: float, sampled: int) -> float:
-        return self.scale * engine_price_s + self.fixed_s + self.per_sampled_s * sampled
+    def iteration_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0) -> float:
+        return (engine_price_s * (self.scale + self.per_token_rate * token_rate) + self.fixed_s
+                + self.per_sampled_s * sampled)
+
+    def as_list(self) -> list[float]:
+        """As Profile.loop_terms keeps them."""
+        return [self.scale, self.fixed_s, self.per_sampled_s, self.per_token_rate]
 
 
 def read_steps(paths: Iterable[Path]) -> Iterator[LoggedStep]:
     """Every step line in `paths`, in file order (lines cut by rotation are skipped)."""
+    from deploy.sim_worker import StepShape  # the engine's scheduler, and torch: not for the simulator's import
     for path in paths:
         try:
             f = path.open(errors="replace")
@@ -97,24 +107,43 @@ def iterations(steps: list[LoggedStep]) -> Iterator[tuple[LoggedStep, float]]:
             yield step, step.busy_s + gap
 
 
+class TokenRate:
+    """Tokens streamed per second over the TOKEN_WINDOW_S before a time, from the decode
+    workers' steps (each streams its sampled rows as it ends)."""
+
+    def __init__(self, steps: list[LoggedStep]):
+        ends = sorted((s.t + s.busy_s, s.shape.num_sampled) for s in steps if s.role == "decode")
+        self.times = [t for t, _ in ends]
+        self.cumulative = [0]
+        for _, n in ends:
+            self.cumulative.append(self.cumulative[-1] + n)
+
+    def at(self, t: float) -> float:
+        i = bisect.bisect_left(self.times, t - TOKEN_WINDOW_S)
+        j = bisect.bisect_right(self.times, t)
+        return (self.cumulative[j] - self.cumulative[i]) / TOKEN_WINDOW_S
+
+
 def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
     """Each role's terms against the profile's step model `coef` (deploy/step_cost.NAMES order)."""
+    rate = TokenRate(steps)
     terms = {}
     for role in ROLES:
-        rows = [(s, it, price(coef, s.shape)) for s, it in iterations(steps) if s.role == role]
-        rows = [(s, it, p) for s, it, p in rows if p > 0]
+        rows = [(s, it, price(coef, s.shape), rate.at(s.t)) for s, it in iterations(steps) if s.role == role]
+        rows = [row for row in rows if row[2] > 0]
         if len(rows) < 10:
             continue
-        scale = sum(s.engine_s for s, _, _ in rows) / sum(p for _, _, p in rows)
-        fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, _, _ in rows],
-                                  [it - scale * p for s, it, p in rows])
-        t = LoopTerms(scale, fixed, per_sampled, len(rows))
-        error = statistics.fmean(abs(t.iteration_s(p, s.shape.num_sampled) - it) / it for s, it, p in rows)
-        terms[role] = LoopTerms(scale, fixed, per_sampled, len(rows), error)
+        scale, per_rate = nnls([[p, p * r] for _, _, p, r in rows], [s.engine_s for s, _, _, _ in rows])
+        fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, *_ in rows],
+                                  [it - p * (scale + per_rate * r) for s, it, p, r in rows])
+        t = LoopTerms(scale, fixed, per_sampled, per_rate)
+        error = statistics.fmean(abs(t.iteration_s(p, s.shape.num_sampled, r) - it) / it for s, it, p, r in rows)
+        terms[role] = LoopTerms(scale, fixed, per_sampled, per_rate, len(rows), error)
     return terms
 
 
 def describe(terms: dict[str, LoopTerms]) -> str:
-    return "; ".join(f"{role}: steps x{t.scale:.2f} the profile, +{t.fixed_s * 1e3:.1f} ms per iteration "
+    return "; ".join(f"{role}: steps x({t.scale:.2f} + {t.per_token_rate * 100:.3f} per 100 streamed tokens/s) the "
+                     f"profile, +{t.fixed_s * 1e3:.1f} ms per iteration "
                      f"+{t.per_sampled_s * 1e3:.2f} ms per sampled row ({t.steps} steps, {t.error:.1%} mean error)"
                      for role, t in terms.items())

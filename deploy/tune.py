@@ -139,8 +139,7 @@ def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
               "PDSERVE_STEP_LOG=1)", file=sys.stderr)
         return None
     print(f"fitted on {len(steps)} logged steps: {describe(terms)}")
-    return dataclasses.replace(profile, loop_terms={role: [t.scale, t.fixed_s, t.per_sampled_s]
-                                                    for role, t in terms.items()})
+    return dataclasses.replace(profile, loop_terms={role: t.as_list() for role, t in terms.items()})
 
 
 def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:

@@ -13,7 +13,7 @@ from deploy.profile import Profile
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, simulate
 from deploy.step_cost import KNOTS, price
-from deploy.step_fit import LoggedStep, fit, iterations, read_steps
+from deploy.step_fit import LoggedStep, TokenRate, fit, iterations, read_steps
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint
@@ -64,20 +64,25 @@ def _coef() -> list[float]:
 
 
 def test_the_fit_recovers_a_deployments_contention_and_loop_terms():
+    """Steps slower by 1.4x, and by 0.2 more per 100 tokens/s streamed (a light phase, then a
+    heavy one), each iteration 2 ms + 0.5 ms per sampled row longer, 1 ms between steps."""
     coef, steps, t = _coef(), [], 0.0
-    for i in range(60):
-        shape = StepShape(tuple(100 + 10 * j for j in range(i % 8 + 1)), ((0, 64),) if i % 5 == 0 else (),
-                          i % 8 + 1 + (i % 5 == 0))
-        engine = 1.4 * price(coef, shape)
+    for i in range(120):
+        batch = 1 if i < 60 else 8
+        shape = StepShape(tuple(100 + 10 * j for j in range(batch)), ((0, 64),) if i % 5 == 0 else (),
+                          batch + (i % 5 == 0))
+        rate = TokenRate(steps).at(t)
+        engine = price(coef, shape) * (1.4 + 0.002 * rate)
         busy = engine + 0.002 + 0.0005 * shape.num_sampled
         steps.append(LoggedStep(t, "decode d0", shape, engine, busy, None if i == 0 else 0.001))
         t += busy + 0.001
+    assert TokenRate(steps).at(t) > 5 * TokenRate(steps[:60]).at(steps[59].t)  # two different loads
     terms = fit(coef, steps)["decode"]
-    assert terms.scale == pytest.approx(1.4)
+    assert terms.scale == pytest.approx(1.4, rel=1e-3) and terms.per_token_rate == pytest.approx(0.002, rel=1e-2)
     assert terms.fixed_s == pytest.approx(0.003, abs=1e-4)  # the loop's own 2 ms and the 1 ms before each next step
     assert terms.per_sampled_s == pytest.approx(0.0005, rel=0.05)
     assert terms.error < 0.01
-    assert len(list(iterations(steps))) == 60
+    assert len(list(iterations(steps))) == 120
 
 
 def test_a_profile_with_loop_terms_prices_each_role_by_them():
