@@ -64,9 +64,9 @@ class Profile:
     step_points: list[list] = field(default_factory=list)  # [decode contexts, [[start, new], ...], sampled, seconds]
     step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
     siblings: int = 0  # busy worker processes beside the measurement (`pdserve profile --siblings`)
-    # A deployment's step costs per role, fitted on its workers' step logs (deploy/step_fit.py):
-    # role -> [scale, fixed_s, per_sampled_s, per_token_rate]; where a role has them, they price its
-    # iterations, at the deployment's streamed tokens per second.
+    # Deployments' step costs per kind of worker, fitted on their step logs (deploy/step_fit.py):
+    # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate]; where a
+    # kind has them, they price its iterations, at the deployment's streamed tokens per second.
     loop_terms: dict[str, list[float]] = field(default_factory=dict)
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
@@ -77,16 +77,16 @@ class Profile:
         a, b, c = self.decode_coef
         return self.step_overhead_s + self.token_overhead_s * batch + a + b * batch + c * batch * context
 
-    def step_s(self, shape, role: str = "decode", token_rate: float = 0.0) -> float:
-        """One engine step of `shape` (deploy.sim_worker.StepShape) on a worker of `role`:
-        with that role's loop terms, one whole loop iteration as the deployment measured it,
+    def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0) -> float:
+        """One engine step of `shape` (deploy.sim_worker.StepShape) on a worker of `kind`
+        (deploy/step_fit.KINDS): with that kind's loop terms, one whole loop iteration as the deployment measured it,
         while it streams `token_rate` tokens per second (deploy/step_fit.py); else the fitted
         step model where the profile has one, else the decode model over its decodes at
         their mean context plus the prefill model per chunk (the step's constant once: with
         the decodes' if there are any, else with the first chunk's). Serving's calibrated
         per-step overhead goes on steps that decode."""
         decodes = shape.decode_contexts
-        terms = self.loop_terms.get(role)
+        terms = self.loop_terms.get(kind)
         if terms and self.step_coef:
             scale, fixed_s, per_sampled_s, per_token_rate = (*terms, 0.0)[:4]
             return (price(self.step_coef, shape) * (scale + per_token_rate * token_rate) + fixed_s

@@ -88,6 +88,7 @@ class _Sim:
         self.prefill = [SimWorker(f"prefill-{i}", config, blocks, profile.block_size) for i in range(pools.prefill)]
         self.workers = {w.name: w for w in self.decode + self.prefill}
         self.decode_names = {w.name for w in self.decode}
+        self.kind = "decode" if pools.prefill else "aggregated"  # which of the profile's loop terms price them
         self.streamed: deque[tuple[float, int]] = deque()  # (time, tokens) the decode workers streamed
         self.streamed_in_window = 0
         # A prefill worker's measured iterations already hold its wait for its pushes.
@@ -162,8 +163,8 @@ class _Sim:
             w.busy = False
             return
         w.busy = True
-        role = "decode" if name in self.decode_names else "prefill"
-        self.at(t + self.p.step_s(self.shape_of(out), role, self.token_rate(t)), self.stepped, name, out)
+        kind = self.kind if name in self.decode_names else "prefill"
+        self.at(t + self.p.step_s(self.shape_of(out), kind, self.token_rate(t)), self.stepped, name, out)
 
     def stream(self, t: float, tokens: int) -> None:
         self.streamed.append((t, tokens))

@@ -5,7 +5,8 @@ the same step runs beside the other worker processes, the gateway, the client an
 the same cores, and each loop iteration does more than the step: it applies commands, polls
 transfers, schedules, streams every sampled token to the gateway (a decode worker) or posts
 the KV pushes of finished prompts and waits briefly for them (a prefill worker). Run with
-PDSERVE_STEP_LOG=1, every worker logs each step's shape and times; this fits, per role:
+PDSERVE_STEP_LOG=1, every worker logs each step's shape and times; this fits, per kind of
+worker (an aggregated deployment's; a disaggregated one's prefill and decode workers):
 
     engine step   = price(shape) * (scale + per_token_rate * tokens streamed per second)
     one iteration = engine step + fixed_s + per_sampled_s * rows sampled
@@ -18,7 +19,7 @@ the logged engine times; the loop terms on the rest of each iteration (its own s
 execute and output handling, plus the loop's work before the next step when it did not go
 idle). A decode worker's sampled rows are the tokens it streams, a prefill worker's the
 prompts it finishes (each a push), so one form covers both roles. The simulator prices a
-worker's iterations with its role's terms (Profile.loop_terms) when the profile has them.
+worker's iterations with its kind's terms (Profile.loop_terms) when the profile has them.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from pathlib import Path
 from deploy.step_cost import nnls, price
 
 _MARK = " pdserve.step: "
-ROLES = ("prefill", "decode")  # an aggregated worker is a decode worker that prefills too
+# The kinds of worker terms are fitted for: an aggregated deployment's workers (they log as
+# decode workers, and prefill too), and a disaggregated one's prefill and decode workers.
+KINDS = ("aggregated", "prefill", "decode")
 TOKEN_WINDOW_S = 2.0  # the streamed-token rate a step's contention is priced at: over this window before it
 
 
@@ -125,10 +128,14 @@ class TokenRate:
 
 
 def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
-    """Each role's terms against the profile's step model `coef` (deploy/step_cost.NAMES order)."""
+    """The terms of each kind of worker in one deployment's steps, against the profile's step
+    model `coef` (deploy/step_cost.NAMES order): "prefill" and "decode" if it has prefill
+    workers, else "aggregated"."""
     rate = TokenRate(steps)
+    disaggregated = any(s.role == "prefill" for s in steps)
     terms = {}
-    for role in ROLES:
+    for role in ("prefill", "decode"):
+        kind = role if disaggregated else "aggregated"
         rows = [(s, it, price(coef, s.shape), rate.at(s.t)) for s, it in iterations(steps) if s.role == role]
         rows = [row for row in rows if row[2] > 0]
         if len(rows) < 10:
@@ -138,12 +145,12 @@ def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
                                   [it - p * (scale + per_rate * r) for s, it, p, r in rows])
         t = LoopTerms(scale, fixed, per_sampled, per_rate)
         error = statistics.fmean(abs(t.iteration_s(p, s.shape.num_sampled, r) - it) / it for s, it, p, r in rows)
-        terms[role] = LoopTerms(scale, fixed, per_sampled, per_rate, len(rows), error)
+        terms[kind] = LoopTerms(scale, fixed, per_sampled, per_rate, len(rows), error)
     return terms
 
 
 def describe(terms: dict[str, LoopTerms]) -> str:
-    return "; ".join(f"{role}: steps x({t.scale:.2f} + {t.per_token_rate * 100:.3f} per 100 streamed tokens/s) the "
+    return "; ".join(f"{kind}: steps x({t.scale:.2f} + {t.per_token_rate * 100:.3f} per 100 streamed tokens/s) the "
                      f"profile, +{t.fixed_s * 1e3:.1f} ms per iteration "
                      f"+{t.per_sampled_s * 1e3:.2f} ms per sampled row ({t.steps} steps, {t.error:.1%} mean error)"
-                     for role, t in terms.items())
+                     for kind, t in terms.items())

@@ -124,7 +124,8 @@ def _calibrate_ttft(profile: Profile, pools: Pools, run: dict, slo_ttft: float, 
 
 
 def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
-    """The profile with each role's loop terms fitted on the step logs under `roots`."""
+    """The profile with the loop terms fitted on the step logs of each deployment under
+    `roots` (one log folder per deployment: an aggregated one's, a disaggregated one's)."""
     from deploy.step_fit import describe, fit, read_steps
     from deploy.trace import log_files
 
@@ -132,14 +133,17 @@ def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
         print("pdserve tune --steps: the profile has no step model (make it with this version's `pdserve profile`)",
               file=sys.stderr)
         return None
-    steps = list(read_steps(log_files(roots)))
-    terms = fit(profile.step_coef, steps)
-    if not terms:
-        print(f"pdserve tune --steps: no step lines under {', '.join(map(str, roots))} (run the deployment with "
-              "PDSERVE_STEP_LOG=1)", file=sys.stderr)
-        return None
-    print(f"fitted on {len(steps)} logged steps: {describe(terms)}")
-    return dataclasses.replace(profile, loop_terms={role: t.as_list() for role, t in terms.items()})
+    terms = dict(profile.loop_terms)
+    for root in roots:
+        steps = list(read_steps(log_files([root])))
+        fitted = fit(profile.step_coef, steps)
+        if not fitted:
+            print(f"pdserve tune --steps: no step lines under {root} (run the deployment with PDSERVE_STEP_LOG=1)",
+                  file=sys.stderr)
+            return None
+        print(f"{root}: {len(steps)} logged steps: {describe(fitted)}")
+        terms.update({kind: t.as_list() for kind, t in fitted.items()})
+    return dataclasses.replace(profile, loop_terms=terms)
 
 
 def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:
@@ -207,8 +211,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="with --validate: first measure the serving overheads on the lowest-rate run")
     p.add_argument("--steps", action="append", type=Path,
-                   help="with --validate: the measured deployment's log folder (repeatable), its workers run with "
-                        "PDSERVE_STEP_LOG=1: fit each role's step costs in that deployment from their step logs")
+                   help="a deployment's log folder, its workers run with PDSERVE_STEP_LOG=1 (repeatable: one "
+                        "aggregated, one disaggregated): fit what its steps cost from their step logs first")
     p.add_argument("--save-profile", help="with --calibrate or --steps: write the calibrated profile here (for tune)")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
@@ -220,6 +224,12 @@ def run_tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
+    if args.steps:
+        profile = _fit_steps(profile, args.steps)
+        if profile is None:
+            return 2
+        if args.save_profile and not (args.validate and args.calibrate):
+            profile.save(args.save_profile)
     if args.validate:
         return _run_validate(args, profile)
     from deploy.workload import sample_workload
@@ -253,12 +263,6 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
             print(f"pdserve tune: {args.validate} has no deployment {args.deployment!r}", file=sys.stderr)
             return 2
     pools = Pools(args.prefill, args.decode)
-    if args.steps:
-        profile = _fit_steps(profile, args.steps)
-        if profile is None:
-            return 2
-        if args.save_profile and not args.calibrate:
-            profile.save(args.save_profile)
     if args.calibrate and "runs" in bench:
         profile = calibrate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
         steps = "" if profile.loop_terms else (f", +{profile.step_overhead_s * 1e3:.1f} ms per decode step and "

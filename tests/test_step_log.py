@@ -77,7 +77,7 @@ def test_the_fit_recovers_a_deployments_contention_and_loop_terms():
         steps.append(LoggedStep(t, "decode d0", shape, engine, busy, None if i == 0 else 0.001))
         t += busy + 0.001
     assert TokenRate(steps).at(t) > 5 * TokenRate(steps[:60]).at(steps[59].t)  # two different loads
-    terms = fit(coef, steps)["decode"]
+    terms = fit(coef, steps)["aggregated"]  # no prefill worker among them
     assert terms.scale == pytest.approx(1.4, rel=1e-3) and terms.per_token_rate == pytest.approx(0.002, rel=1e-2)
     assert terms.fixed_s == pytest.approx(0.003, abs=1e-4)  # the loop's own 2 ms and the 1 ms before each next step
     assert terms.per_sampled_s == pytest.approx(0.0005, rel=0.05)
@@ -89,9 +89,13 @@ def test_a_profile_with_loop_terms_prices_each_role_by_them():
     p = Profile("m", "float32", 1, 16, 512, 1 << 16, step_coef=_coef())
     shape = StepShape((200, 300), (), 2)
     assert p.step_s(shape, "prefill") == pytest.approx(price(p.step_coef, shape))
-    p.loop_terms = {"decode": [2.0, 0.001, 0.0005]}
+    p.loop_terms = {"decode": [2.0, 0.001, 0.0005, 0.01]}
     assert p.step_s(shape, "decode") == pytest.approx(2 * price(p.step_coef, shape) + 0.002)
-    assert p.step_s(shape, "prefill") == pytest.approx(price(p.step_coef, shape))  # no terms for that role
+    assert p.step_s(shape, "decode", 50.0) == pytest.approx(2.5 * price(p.step_coef, shape) + 0.002)
+    assert p.step_s(shape, "prefill") == pytest.approx(price(p.step_coef, shape))  # no terms for that kind
     slow = simulate(p, Pools(1, 1), [(0.0, 64, 16)])[0]
     p.loop_terms["prefill"] = [3.0, 0.0, 0.0]  # a prefill worker three times slower: a later first token
     assert simulate(p, Pools(1, 1), [(0.0, 64, 16)])[0].ttft > slow.ttft
+    alone = simulate(p, Pools(0, 1), [(0.0, 64, 16)])[0]
+    p.loop_terms["aggregated"] = [2.0, 0.0, 0.0]  # an aggregated worker's terms are its own
+    assert simulate(p, Pools(0, 1), [(0.0, 64, 16)])[0].finish > alone.finish
