@@ -44,6 +44,7 @@ from kernels.host import cpu
 
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
+NIXL_VERSION = "1.5.1"
 RUNNER = Path(__file__).with_name("peer_runner.py")
 # vLLM's best settings here (see the module docstring); the KV space is GiB of host memory.
 VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -58,13 +59,14 @@ def default_venv() -> Path:
 
 
 def ensure_venv(venv: Path) -> Path:
-    """The venv's python, with vLLM's CPU build importable; made on first use."""
+    """The venv's python, with vLLM's CPU build and NIXL importable; made on first use."""
     python = venv / "bin" / "python"
     probe = [str(python), "-c", "import vllm, torch; print(vllm.__version__, torch.__version__)"]
     if python.exists():
         done = subprocess.run(probe, capture_output=True, text=True)
         if done.returncode == 0 and done.stdout.split()[:1] == [VLLM_VERSION]:
             log(f"vLLM venv: {venv} (vllm, torch: {done.stdout.strip()})")
+            _ensure_nixl(python)
             return python
         log(f"vLLM venv at {venv} is unusable ({(done.stderr.strip().splitlines() or ['?'])[-1]}); rebuilding")
     steps = [
@@ -74,16 +76,51 @@ def ensure_venv(venv: Path) -> Path:
         [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
     ]
     for step in steps:
-        log(f"vLLM venv: {' '.join(step[1:])} (one-time set-up)")
-        t0 = time.perf_counter()
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"vLLM venv set-up failed at `{' '.join(step)}`:\n{done.stderr[-2000:]}")
-        log(f"  done in {time.perf_counter() - t0:.0f}s")
+        _setup_step(step)
     done = subprocess.run(probe, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"vLLM does not import in {venv}:\n{done.stderr[-2000:]}")
+    _ensure_nixl(python)
     return python
+
+
+def _setup_step(step: list[str]) -> None:
+    log(f"vLLM venv: {' '.join(step[1:])} (one-time set-up)")
+    t0 = time.perf_counter()
+    done = subprocess.run(step, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM venv set-up failed at `{' '.join(step)}`:\n{done.stderr[-2000:]}")
+    log(f"  done in {time.perf_counter() - t0:.0f}s")
+
+
+def _ensure_nixl(python: Path) -> None:
+    """vLLM's NixlConnector (P/D serving) imports `nixl._api`: NIXL's CUDA-free build, nixl_cu12,
+    installed and aliased under that name."""
+    probe = [str(python), "-c", "import nixl._api"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return
+    _setup_step([str(python), "-m", "pip", "install", "-q", f"nixl-cu12=={NIXL_VERSION}"])
+    _alias_nixl(python)
+    done = subprocess.run(probe, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"NIXL does not import in vLLM's venv:\n{done.stderr[-2000:]}")
+
+
+def _alias_nixl(python: Path) -> None:
+    """A `nixl` package in the venv whose modules are nixl_cu12's, as NIXL's own meta package
+    does (`pip install nixl` would pull both CUDA builds; on CPU nixl_cu12 loads no CUDA)."""
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    package = Path(site) / "nixl"
+    package.mkdir(exist_ok=True)
+    (package / "__init__.py").write_text(
+        '"""nixl_cu12 under the name `nixl` (made by pdserve\'s bench/peer_vllm.py)."""\n'
+        "import importlib\nimport sys\n\n"
+        "for _name in ('_api', '_bindings', '_utils', 'logging'):\n"
+        "    try:\n"
+        "        sys.modules[f'{__name__}.{_name}'] = importlib.import_module(f'nixl_cu12.{_name}')\n"
+        "    except ImportError:\n"
+        "        pass\n")
 
 
 def make_job(args, path: Path, tokenizer: Tokenizer, dtype_name: str) -> dict:
