@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import host_steal
 # percentile, distribution and QUANTILES too: other modules import them from here
 from bench.serving_metrics import (GOOD_ATTAINMENT, QUANTILES, SLO, Load, RequestRecord, Run,  # noqa: F401
                                    Status, distribution, goodput, next_probe, percentile, summarize)
@@ -208,9 +209,12 @@ def run_one(target: Target, plan: Plan, load: Load, tokenizer, index: int) -> Ru
             requests = requests[:len(arrivals)]
     total = len(requests) if arrivals is not None or plan.num_requests is not None else None
     label = f"rate {load.rate:g}/s" if load.rate is not None else f"concurrency {load.concurrency}"
+    ticks = host_steal.read()
     with tqdm(total=total, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
         records, duration = asyncio.run(_run_load(target, load, requests, arrivals, plan.duration_s, bar))
-    return Run(load, duration, summarize(records, duration, plan.slo), records)
+    summary = summarize(records, duration, plan.slo)
+    summary["host_steal"] = host_steal.fraction(ticks, host_steal.read())  # CPU the VM's host took meanwhile
+    return Run(load, duration, summary, records)
 
 
 def sweep(target: Target, plan: Plan, loads: list[Load], tokenizer, search_steps: int = 0) -> list[Run]:
@@ -220,15 +224,21 @@ def sweep(target: Target, plan: Plan, loads: list[Load], tokenizer, search_steps
         if runs:
             time.sleep(plan.pause_s)
         runs.append(run_one(target, plan, load, tokenizer, len(runs)))
-        _say(f"{load.key} {load.x:g}: attainment {runs[-1].summary['slo_attainment']:.0%}")
+        _say(f"{load.key} {load.x:g}: attainment {runs[-1].summary['slo_attainment']:.0%}{_steal(runs[-1])}")
     for _ in range(search_steps):
         rate = next_probe(runs)
         if rate is None:
             break
         time.sleep(plan.pause_s)
         runs.append(run_one(target, plan, Load(rate=round(rate, 4)), tokenizer, len(runs)))
-        _say(f"goodput search, rate {rate:.4g}: attainment {runs[-1].summary['slo_attainment']:.0%}")
+        _say(f"goodput search, rate {rate:.4g}: attainment {runs[-1].summary['slo_attainment']:.0%}"
+             f"{_steal(runs[-1])}")
     return sorted(runs, key=lambda r: r.load.x)
+
+
+def _steal(run: Run) -> str:
+    steal = run.summary.get("host_steal")
+    return "" if steal is None else f" (the VM's host took {steal:.1%} of the CPU meanwhile)"
 
 
 def warm_up(target: Target, tokenizer) -> None:
