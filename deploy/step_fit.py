@@ -25,7 +25,6 @@ worker's iterations with its kind's terms (Profile.loop_terms) when the profile 
 from __future__ import annotations
 
 import bisect
-import json
 import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -77,24 +76,15 @@ class LoopTerms:
 def read_steps(paths: Iterable[Path]) -> Iterator[LoggedStep]:
     """Every step line in `paths`, in file order (lines cut by rotation are skipped)."""
     from deploy.sim_worker import StepShape  # the engine's scheduler, and torch: not for the simulator's import
-    for path in paths:
+    from deploy.trace import json_lines
+
+    for r in json_lines(paths, _MARK):
         try:
-            f = path.open(errors="replace")
-        except OSError:
+            shape = StepShape(tuple(r["decodes"]), tuple((int(s), int(n)) for s, n in r["chunks"]), int(r["sampled"]))
+            yield LoggedStep(float(r["t"]), str(r["proc"]), shape, float(r["engine_s"]), float(r["busy_s"]),
+                             None if r["gap_s"] is None else float(r["gap_s"]))
+        except (ValueError, KeyError, TypeError):
             continue
-        with f:
-            for line in f:
-                i = line.find(_MARK)
-                if i < 0:
-                    continue
-                try:
-                    r = json.loads(line[i + len(_MARK):])
-                    shape = StepShape(tuple(r["decodes"]), tuple((int(s), int(n)) for s, n in r["chunks"]),
-                                      int(r["sampled"]))
-                    yield LoggedStep(float(r["t"]), str(r["proc"]), shape, float(r["engine_s"]), float(r["busy_s"]),
-                                     None if r["gap_s"] is None else float(r["gap_s"]))
-                except (ValueError, KeyError, TypeError):
-                    continue
 
 
 def iterations(steps: list[LoggedStep]) -> Iterator[tuple[LoggedStep, float]]:

@@ -114,8 +114,10 @@ def log_files(roots: Iterable[Path | str]) -> list[Path]:
     return sorted(files, key=lambda p: p.stat().st_mtime)
 
 
-def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[TraceEvent]:
-    """The trace events in `paths` (only lines holding one of `needles`, when given: a fast filter)."""
+def json_lines(paths: Iterable[Path], mark: str, needles: Iterable[str] = ()) -> Iterator[dict]:
+    """The JSON objects logged after `mark` (" <logger name>: ") in `paths`, in file order;
+    only lines holding one of `needles`, when given (a fast filter). Lines cut by rotation,
+    or not JSON, are skipped."""
     needles = tuple(needles)
     for path in paths:
         try:
@@ -124,15 +126,23 @@ def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[
             continue
         with f:
             for line in f:
-                i = line.find(_MARK)
+                i = line.find(mark)
                 if i < 0 or (needles and not any(n in line for n in needles)):
                     continue
                 try:
-                    rec = json.loads(line[i + len(_MARK):])
-                    yield TraceEvent(float(rec.pop("t")), str(rec.pop("rid")), str(rec.pop("proc")),
-                                     str(rec.pop("event")), rec)
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by rotation, or not ours
+                    yield json.loads(line[i + len(mark):])
+                except ValueError:
+                    continue
+
+
+def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[TraceEvent]:
+    """The trace events in `paths` (only lines holding one of `needles`, when given: a fast filter)."""
+    for rec in json_lines(paths, _MARK, needles):
+        try:
+            yield TraceEvent(float(rec.pop("t")), str(rec.pop("rid")), str(rec.pop("proc")), str(rec.pop("event")),
+                             rec)
+        except (KeyError, TypeError, ValueError):
+            continue  # not ours
 
 
 def _same_request(request_id: str, candidate: str) -> bool:
