@@ -22,6 +22,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars
+from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
@@ -103,6 +104,8 @@ class LLMEngine:
         self.config = config
         self._on_cuda = torch.device(config.device).type == "cuda"  # steps record a KV-written event
         t0 = time.perf_counter()
+        if not self._on_cuda:
+            keep_freed_memory()
         model = CausalLM(config.model, config.dtype, config.device)
         load_weights(model, config.model_path)
         model.prepare()
