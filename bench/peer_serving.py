@@ -148,7 +148,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the fixed workload's rate for vLLM's `bench serve` against every system (0: skip it)")
     ap.add_argument("--venv", type=Path, help="vLLM's venv (default: bench/peer_vllm.py's)")
     ap.add_argument("--setup-only", action="store_true", help="make vLLM's venv and exit")
-    ap.add_argument("--json", help="every run and request, per system and workload")
+    ap.add_argument("--json", help="every run and request, per system and workload (PATH.partial after each system)")
     ap.add_argument("--plot", metavar="PREFIX", help="PREFIX_<workload>_latency.png and _attainment.png")
     args = ap.parse_args(argv)
     args.system_list = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -215,8 +215,21 @@ def main(argv: list[str] | None = None) -> int:
                                                                        if not isinstance(v, list)},
                                   "agreement": clients_agree(ours, theirs)}
         say(f"{system}: stopped")
+        if args.json:  # what is done so far survives a later system's failure
+            write_json(args.json + ".partial", args, setup, plans, results, second)
     report(args, setup, plans, results, second)
     return 0
+
+
+def write_json(path: str, args, setup: Setup, plans: dict[str, Plan], results: dict, second: dict) -> None:
+    out = {"host": host_line(), "dtype": setup.dtype, "cores": setup.cores, "num_requests": args.num_requests,
+           "seed": args.seed, "workloads": {
+               w: {system: result_json({"workload": w, "params": plans[w].params,
+                                        "slo_ttft_s": plans[w].slo.ttft_s, "slo_tpot_s": plans[w].slo.tpot_s},
+                                       runs) for system, runs in series.items()}
+               for w, series in results.items()},
+           "second_client": second}
+    Path(path).write_text(json.dumps(out, indent=1))
 
 
 def report(args, setup: Setup, plans: dict[str, Plan], results: dict, second: dict) -> None:
@@ -239,14 +252,7 @@ def report(args, setup: Setup, plans: dict[str, Plan], results: dict, second: di
                              f"({m['difference']:+.0%}){flag}")
             print(f"  {system:<20} " + "; ".join(cells))
     if args.json:
-        out = {"host": host_line(), "dtype": setup.dtype, "cores": setup.cores, "num_requests": args.num_requests,
-               "seed": args.seed, "workloads": {
-                   w: {system: result_json({"workload": w, "params": plans[w].params,
-                                            "slo_ttft_s": plans[w].slo.ttft_s, "slo_tpot_s": plans[w].slo.tpot_s},
-                                           runs) for system, runs in series.items()}
-                   for w, series in results.items()},
-               "second_client": second}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_json(args.json, args, setup, plans, results, second)
     if args.plot:
         from bench.plots import plot_runs
 
