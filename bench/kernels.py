@@ -235,8 +235,9 @@ class Bench:
 
         torch, sz = self.torch, self.sz
         b, vocab = sz.sample_rows, sz.vocab
-        # Peaked logits (as a model's are): the top-p cut falls between well-separated masses,
-        # so float rounding cannot move it and the kept sets must be equal.
+        # Peaked logits in bf16 (as a model's are): the top-p cut falls between well-separated
+        # masses, so float rounding cannot move it, and equal logits across a cut stay whole
+        # in both (an upper set): the kept sets must be equal.
         logits = self.randn(b, vocab, scale=4.0).float()
         temp = torch.full((b,), 0.8, device=self.device)
         top_k = torch.full((b,), 50, device=self.device)

@@ -265,13 +265,17 @@ def _truncate(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         kth = top.gather(1, (meta.top_k - 1)[:, None])  # [num_top_k, 1]
         logits[meta.top_k_rows] = sub.masked_fill(sub < kth, ninf)  # ties with the k-th stay
     if meta.top_p_rows is not None:
+        # Keep tokens while the mass before them (descending) < top_p: a prefix of the sorted
+        # row (the top token's is 0, so it is kept). The cut is the last kept logit, and
+        # tokens tied with it stay too, whichever order the sort put them in: an upper set,
+        # as the GPU kernel keeps (kernels/sampling.py).
         sub = logits[meta.top_p_rows]  # [num_top_p, vocab]
-        sorted_logits, order = sub.sort(dim=-1, descending=True)
+        sorted_logits = sub.sort(dim=-1, descending=True).values
         probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # 0 for the top token, so it is kept
-        drop_sorted = mass_before >= meta.top_p[:, None]
-        drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logits[meta.top_p_rows] = sub.masked_fill(drop, ninf)
+        mass_before = probs.cumsum(dim=-1) - probs
+        num_kept = (mass_before < meta.top_p[:, None]).sum(dim=-1, keepdim=True)  # [num_top_p, 1] >= 1
+        cut = sorted_logits.gather(1, num_kept - 1)
+        logits[meta.top_p_rows] = sub.masked_fill(sub < cut, ninf)
     if meta.min_p is not None:
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf is a no-op.
         max_logit = logits.max(dim=-1, keepdim=True).values  # [num_seqs, 1]

@@ -181,18 +181,21 @@ def sampling_mask(
     min_p: torch.Tensor,  # [num_seqs] float32, 0 = off
 ) -> torch.Tensor:  # [num_seqs, vocab] bool: the tokens a row may sample
     """top-k, then top-p on what top-k left, then min-p: engine/sampler.py's order and ties
-    (ties with the k-th logit stay; a token stays while the mass strictly before it < top_p)."""
+    (ties with the k-th logit stay; a token stays while the mass strictly before it in
+    descending order < top_p, and so does every token tied with the last one kept: each
+    stage keeps an upper set of the logits, whatever order a sort puts equal logits in)."""
     scaled = logits / temperature[:, None]
     vocab = scaled.shape[-1]
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     kth = scaled.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
     keep = scaled >= kth
     masked = scaled.masked_fill(~keep, float("-inf"))
-    sorted_logits, order = masked.sort(dim=-1, descending=True)
+    sorted_logits = masked.sort(dim=-1, descending=True).values
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    keep &= ~torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    mass_before = probs.cumsum(dim=-1) - probs  # non-decreasing: the kept tokens are a prefix
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1, keepdim=True)  # >= 1: top_p > 0
+    cut = sorted_logits.gather(1, num_kept - 1)
+    keep &= (scaled >= cut) | (top_p[:, None] >= 1.0)
     max_logit = scaled.max(dim=-1, keepdim=True).values  # truncation never drops the top token
     keep &= ~(scaled < max_logit + min_p.log()[:, None])
     return keep

@@ -253,6 +253,33 @@ def test_sampling_keeps_exactly_the_reference_support(vocab, scale):
     assert expect.sum(-1).min() >= 1 and (expect.sum(-1) < vocab).any() and (expect.sum(-1) > 50).any()
 
 
+def _top_p_split_at_ties(logits, temperature, top_k, top_p):
+    """Top-p as a sort leaves it when equal logits straddle the cut: only those the sort
+    put before it stay (the rule the reference no longer follows)."""
+    scaled = logits / temperature[:, None]
+    kept = ref.sampling_mask(logits, temperature, top_k, torch.ones_like(top_p), torch.zeros_like(top_p))
+    sorted_logits, order = scaled.masked_fill(~kept, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    probs = sorted_logits.softmax(-1)
+    drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1)
+    return kept & ~torch.empty_like(drop).scatter_(1, order, drop)
+
+
+def test_sampling_keeps_whole_ties_at_the_cuts_like_the_reference():
+    """Logits rounded to bfloat16, as a model's are: many equal logits, some of them across a
+    top-k or top-p cut. Each stage keeps the whole tie, in the kernel and the reference."""
+    g = torch.Generator().manual_seed(21)
+    logits, temperature, top_k, top_p, min_p = _sampling_batch(g, 48, 1000, 4.0)
+    logits = logits.bfloat16().float()
+    temperature = torch.ones_like(temperature)
+    got = tri.sampling_mask(logits, temperature, top_k, top_p, min_p)
+    expect = ref.sampling_mask(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(got, expect), f"{(got != expect).sum()} tokens differ"
+    no_min_p = torch.zeros_like(min_p)
+    split = _top_p_split_at_ties(logits, temperature, top_k, top_p)
+    whole = ref.sampling_mask(logits, temperature, top_k, top_p, no_min_p)
+    assert (split != whole).any(), "no tie across a top-p cut in the data: the test checks nothing; change the seed"
+
+
 def test_seeded_sampling_draws_the_reference_tokens():
     """Seeded rows hash (seed, position, token) exactly like engine.seeded_random: same tokens."""
     g = torch.Generator().manual_seed(5)

@@ -166,6 +166,12 @@ def test_top_p_support(top_p, expected):
     assert support(PROBS5.log(), SamplingParams(top_p=top_p)) == expected
 
 
+def test_top_p_keeps_tokens_tied_with_the_cut():
+    # The mass before the tied pair's first token is 0.5 < 0.6, before its second 0.7: the
+    # second stays too, whichever of the two the sort put first (the GPU kernel's rule).
+    assert support(torch.tensor([0.5, 0.2, 0.2, 0.1]).log(), SamplingParams(top_p=0.6)) == {0, 1, 2}
+
+
 @pytest.mark.parametrize(("min_p", "expected"), [(0.15, {0, 1, 2}), (0.5, {0, 1}), (0.9, {0})])
 def test_min_p_support(min_p, expected):
     assert support(PROBS5.log(), SamplingParams(min_p=min_p)) == expected
