@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
 
 def plot_runs(series: dict[str, list[Run]], slo: SLO, prefix: str) -> list[Path]:
-    """PREFIX_latency.png (p90 TTFT and p90 TPOT vs load, SLOs dashed) and
-    PREFIX_attainment.png (attainment vs load, the 90% line dashed); one line per series."""
+    """PREFIX_latency.png (p90 TTFT, p90 TPOT and p99 ITL vs load, SLOs dashed; a panel
+    whose values span more than 20x is drawn on a log scale) and PREFIX_attainment.png
+    (attainment vs load, the 90% line dashed); one line per series."""
     try:
         import matplotlib
     except ImportError:
@@ -28,16 +29,23 @@ def plot_runs(series: dict[str, list[Run]], slo: SLO, prefix: str) -> list[Path]
     xlabel = "request rate (req/s)" if key == "rate" else "concurrency (streams)"
     paths = [Path(f"{prefix}_latency.png"), Path(f"{prefix}_attainment.png")]
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    panels = ((axes[0], "ttft_s", slo.ttft_s, "p90 TTFT"), (axes[1], "tpot_s", slo.tpot_s, "p90 TPOT"))
-    for ax, metric, limit, title in panels:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    panels = ((axes[0], "ttft_s", "p90", slo.ttft_s, "p90 TTFT"), (axes[1], "tpot_s", "p90", slo.tpot_s, "p90 TPOT"),
+              (axes[2], "itl_s", "p99", None, "p99 ITL"))
+    for ax, metric, q, limit, title in panels:
+        values = []
         for name, runs in series.items():
-            points = [(r.load.x, r.summary[metric]["p90"]) for r in runs if r.summary[metric]["p90"] is not None]
+            points = [(r.load.x, r.summary[metric][q]) for r in runs if r.summary[metric].get(q) is not None]
+            values += [y for _, y in points]
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
-        ax.axhline(limit, color="red", linestyle="--", label=f"SLO {limit:g} s")
+        if limit is not None:
+            ax.axhline(limit, color="red", linestyle="--", label=f"SLO {limit:g} s")
+        positive = [v for v in values if v > 0]
+        if positive and max(positive) > 20 * min(positive):
+            ax.set_yscale("log")
         ax.set(title=title, xlabel=xlabel, ylabel="seconds")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
