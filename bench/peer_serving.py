@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                              [Load(rate=args.second_client_rate)], tokenizer)[0]
                 theirs = vllm_bench_serve(setup, url, args.second_client_rate, args.num_requests, 256, 64,
                                           args.seed + 1, logs, system)
-                second[system] = {"ours": ours.summary, "vllm_bench": {k: v for k, v in theirs.items()
-                                                                       if not isinstance(v, list)},
+                # Its figures, not its per-request lists nor its tokenizer's path on this machine.
+                figures = {k: v for k, v in theirs.items() if not isinstance(v, list) and k != "tokenizer_id"}
+                second[system] = {"ours": ours.summary, "vllm_bench": figures,
                                   "agreement": clients_agree(ours, theirs)}
         say(f"{system}: stopped")
         if args.json:  # what is done so far survives a later system's failure
