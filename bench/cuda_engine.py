@@ -62,8 +62,9 @@ def engine_tokens(folder: Path, device: str, kernels: str) -> tuple[dict[str, li
 
     run([("first", ps[0], greedy)])
     run([(f"r{i}", p, greedy) for i, p in enumerate(ps)] + [("seeded", ps[2], seeded)])
-    assert engine.kv_manager.prefix_cache_hit_rate > 0, "the second round hit no cached prefix"
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks, "KV blocks leaked"
+    stats = engine.stats()
+    assert stats.prefix_cache_hit_rate > 0, "the second round hit no cached prefix"
+    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
     return outs, time.perf_counter() - t0
 
 
