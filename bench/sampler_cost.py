@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 
 VARIANTS = ("greedy", "race", "inverse CDF", "inverse CDF, kept")
 
@@ -31,6 +29,7 @@ def measure(variant: str, batches: list[int], steps: int) -> dict[int, float]:
     """In this process: median ms per call of `variant` at each batch."""
     import torch
 
+    from bench.cpu_attention import median_seconds
     from engine.host_memory import keep_freed_memory
     from engine.sampler import Sampler, SamplingMetadata, process_logits, sampling_probs
     from engine.sampling_params import SamplingParams
@@ -52,14 +51,7 @@ def measure(variant: str, batches: list[int], steps: int) -> dict[int, float]:
             return (probs / exp.clamp_(min=torch.finfo(torch.float32).tiny)).argmax(dim=-1).tolist()
 
         call = race if variant == "race" else (lambda: sampler(logits, meta))
-        for _ in range(5):
-            call()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - t0)
-        out[b] = statistics.median(times) * 1e3
+        out[b] = median_seconds(call, steps) * 1e3
     return out
 
 

@@ -11,8 +11,9 @@ row, token = the first whose cumulative probability exceeds u. Rows with a seed 
 exponential race, token = argmax(probs / E), E ~ Exp(1) per token, with E derived from a
 counter-based hash of (seed, output position, token id), so a seeded request samples the
 same tokens whatever shares its batch and whatever ran before. Both pick token i with
-probability probs[i]; the race costs a vocabulary of draws per row (0.7 ms for 49k tokens
-on one CPU core, 36 ms of a batch-32 step), the inverse CDF one draw and a cumulative sum.
+probability probs[i]; the race costs a vocabulary of draws per row (0.8 ms for 49k tokens
+on one CPU core, 27 ms at batch 32: bench/sampler_cost.py), the inverse CDF one draw and a
+cumulative sum.
 
 On a batched op set (the Triton kernels on CUDA) temperature, truncation and the draw run
 as one kernel over the whole batch (`ops.sample`, kernels/sampling.py), fed dense per-row
