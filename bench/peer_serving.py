@@ -254,6 +254,7 @@ def report(args, setup: Setup, plans: dict[str, Plan], results: dict, second: di
             print(f"  {system:<20} " + "; ".join(cells))
     if args.json:
         write_json(args.json, args, setup, plans, results, second)
+        Path(args.json + ".partial").unlink(missing_ok=True)  # the whole run is in args.json now
     if args.plot:
         from bench.plots import plot_runs
 
