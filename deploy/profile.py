@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deploy.step_cost import StepCost, nnls, price
+from deploy.step_fit import LoopTerms
 
 # `mixed_*`: the step model's points (deploy/step_cost.py): B prompts of C tokens at once, run
 # to a few tokens each (prefill chunks, then decodes), for every pair that fits the KV pool;
@@ -65,8 +66,9 @@ class Profile:
     step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
     siblings: int = 0  # busy worker processes beside the measurement (`pdserve profile --siblings`)
     # Deployments' step costs per kind of worker, fitted on their step logs (deploy/step_fit.py):
-    # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate]; where a
-    # kind has them, they price its iterations, at the deployment's streamed tokens per second.
+    # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate, per_busy, per_row_s]
+    # (step_fit.LoopTerms); where a kind has them, they price its iterations, at the deployment's
+    # streamed tokens per second and as busy as the other workers are.
     loop_terms: dict[str, list[float]] = field(default_factory=dict)
 
     def prefill_step_s(self, tokens: int, context: int = 0, with_constant: bool = True) -> float:
@@ -77,27 +79,49 @@ class Profile:
         a, b, c = self.decode_coef
         return self.step_overhead_s + self.token_overhead_s * batch + a + b * batch + c * batch * context
 
-    def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0) -> float:
+    def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0, others_busy: float = 0.0) -> float:
         """One engine step of `shape` (deploy.sim_worker.StepShape) on a worker of `kind`
-        (deploy/step_fit.KINDS): with that kind's loop terms, one whole loop iteration as the deployment measured it,
+        (deploy/step_fit.KINDS), the other workers busy for `others_busy` of it (0 to 1):
+        see step_parts."""
+        engine_s, busy_s, loop_s = self.step_parts(shape, kind, token_rate)
+        return engine_s + busy_s * others_busy + loop_s
+
+    def step_parts(self, shape, kind: str = "decode", token_rate: float = 0.0) -> tuple[float, float, float]:
+        """A step of `shape` on a worker of `kind` as (engine seconds beside idle workers, the
+        engine's extra seconds with the other workers busy throughout, the loop's own seconds).
+        With that kind's loop terms, a whole loop iteration as the deployment measured it,
         while it streams `token_rate` tokens per second (deploy/step_fit.py); else the fitted
         step model where the profile has one, else the decode model over its decodes at
         their mean context plus the prefill model per chunk (the step's constant once: with
-        the decodes' if there are any, else with the first chunk's). Serving's calibrated
-        per-step overhead goes on steps that decode."""
+        the decodes' if there are any, else with the first chunk's), neither shared nor
+        looped. Serving's calibrated per-step overhead goes on steps that decode."""
         decodes = shape.decode_contexts
         terms = self.loop_terms.get(kind)
         if terms and self.step_coef:
-            scale, fixed_s, per_sampled_s, per_token_rate = (*terms, 0.0)[:4]
-            return (price(self.step_coef, shape) * (scale + per_token_rate * token_rate) + fixed_s
-                    + per_sampled_s * shape.num_sampled)
+            t, cost = LoopTerms.of(terms), price(self.step_coef, shape)
+            return (t.engine_s(cost, shape.num_sampled, token_rate), cost * t.per_busy,
+                    t.fixed_s + t.per_sampled_s * shape.num_sampled)
         if self.step_coef:
             serving = self.step_overhead_s + self.token_overhead_s * len(decodes) if decodes else 0.0
-            return price(self.step_coef, shape) + serving
+            return price(self.step_coef, shape) + serving, 0.0, 0.0
         cost = self.decode_step_s(len(decodes), statistics.fmean(decodes)) if decodes else 0.0
         for i, (start, new) in enumerate(shape.prefill_chunks):
             cost += self.prefill_step_s(new, start, with_constant=i == 0 and not decodes)
-        return cost
+        return cost, 0.0, 0.0
+
+    @property
+    def noisy(self) -> bool:
+        """Whether any kind's steps have noise (a simulation then depends on its seed)."""
+        return any(LoopTerms.of(t).noise_sd > 0 for t in self.loop_terms.values())
+
+    def step_noise(self, kind: str) -> tuple[float, float]:
+        """(sd, time constant in seconds) of how a `kind` worker's steps stray from their price in a
+        deployment (deploy/step_fit.fit_noise); (0, 0) without that kind's loop terms."""
+        terms = self.loop_terms.get(kind)
+        if not terms:
+            return 0.0, 0.0
+        t = LoopTerms.of(terms)
+        return t.noise_sd, t.noise_s
 
     def fit(self) -> Profile:
         self.prefill_coef = nnls([[1.0, t, t * (ctx + t / 2)] for t, ctx, _ in self.prefill_points],

@@ -9,6 +9,11 @@ running it:
 - a worker's loop mirrors worker/loop.py: commands that arrived (new requests, KV that
   landed) are applied at the top of an iteration, then one step is scheduled and runs; what
   arrives during a step waits for the next iteration;
+- workers share the machine: a step runs slower while other workers are in steps too, by
+  the profile's `per_busy` term (deploy/step_fit.py), its pace changing each time one of
+  them starts or ends a step; and each worker's steps stray from their price together for
+  a while (a slow stretch of the host), by a noise process fitted on the deployment's step
+  logs (`noise_sd`, `noise_s`), drawn from a seeded generator;
 - the gateway routes with its own `Router` (the decode worker with the fewest outstanding
   tokens among those with KV headroom, prefill workers ranked by prompt affinity, fed each
   worker's queue and free blocks as Stats would be);
@@ -54,6 +59,43 @@ class Pools:
         return f"aggregated x{self.decode}" if self.prefill == 0 else f"{self.prefill}P + {self.decode}D"
 
 
+class _Noise:
+    """One worker's step-time noise: log(step / price) follows an Ornstein-Uhlenbeck process
+    of stationary sd `sd` and time constant `tau_s`, sampled at each step's start; the
+    factor's mean is 1 (the fitted price is the mean)."""
+
+    def __init__(self, sd: float, tau_s: float, rng: random.Random):
+        self.sd, self.tau_s, self.rng = sd, tau_s, rng
+        self.z, self.t = (rng.gauss(0.0, sd) if sd > 0 else 0.0), 0.0
+
+    def factor(self, t: float) -> float:
+        if self.sd <= 0 or self.tau_s <= 0:
+            return 1.0
+        keep = math.exp(-max(0.0, t - self.t) / self.tau_s)
+        self.z = self.z * keep + self.sd * math.sqrt(1 - keep * keep) * self.rng.gauss(0.0, 1.0)
+        self.t = t
+        return math.exp(self.z - self.sd * self.sd / 2)
+
+
+@dataclass(eq=False)
+class _Stepping:
+    """A worker's step in progress: its costs (Profile.step_parts), how much of it is left,
+    and the other workers' busy share it runs at since `since`."""
+
+    out: object  # the SchedulerOutput
+    engine_s: float
+    busy_s: float
+    loop_s: float
+    since: float
+    left: float = 1.0  # of the whole step, at `since`
+    others_busy: float = 0.0
+    version: int = -1  # which scheduled end is current (a change of pace schedules a new one); -1: none yet
+
+    def seconds(self) -> float:
+        """The whole step's duration at the current pace."""
+        return self.engine_s + self.busy_s * self.others_busy + self.loop_s
+
+
 @dataclass(eq=False)  # compared by identity: two requests may have equal fields
 class SimRequest:
     arrival: float
@@ -73,7 +115,7 @@ class SimRequest:
 
 
 class _Sim:
-    def __init__(self, profile: Profile, pools: Pools, max_num_seqs: int):
+    def __init__(self, profile: Profile, pools: Pools, max_num_seqs: int, seed: int = 0):
         # The engine's scheduler imports torch (engine.config): not for every importer of Pools.
         from engine.config import SchedulerConfig
         from gateway.router import Router
@@ -101,6 +143,9 @@ class _Sim:
         self.requests: dict[str, tuple[SimRequest, list[int]]] = {}  # request id -> (request, prompt ids)
         self.prefill_of: dict[str, str] = {}  # request id -> the prefill worker asked
         self.decode_of: dict[str, str] = {}  # request id -> its decode worker
+        self.stepping: dict[str, _Stepping] = {}  # worker -> its step in progress
+        rng = random.Random(seed)
+        self.noise = {name: _Noise(*profile.step_noise(self.kind_of(name)), rng) for name in self.workers}
 
     def at(self, t: float, fn: Callable, *args) -> None:
         heapq.heappush(self.events, (t, next(self.seq), fn, args))
@@ -163,8 +208,26 @@ class _Sim:
             w.busy = False
             return
         w.busy = True
-        kind = self.kind if name in self.decode_names else "prefill"
-        self.at(t + self.p.step_s(self.shape_of(out), kind, self.token_rate(t)), self.stepped, name, out)
+        noise = self.noise[name].factor(t)
+        engine_s, busy_s, loop_s = self.p.step_parts(self.shape_of(out), self.kind_of(name), self.token_rate(t))
+        self.stepping[name] = _Stepping(out, engine_s * noise, busy_s * noise, loop_s * noise, since=t)
+        self.share(t)
+
+    def kind_of(self, name: str) -> str:
+        """Which of the profile's loop terms price the worker's steps."""
+        return self.kind if name in self.decode_names else "prefill"
+
+    def share(self, t: float) -> None:
+        """The workers in steps at t go on at the pace the others' being busy sets; a step
+        whose pace changed gets a new end."""
+        others = max(1, len(self.workers) - 1)
+        for name, run in self.stepping.items():
+            busy = (len(self.stepping) - 1) / others
+            if run.version >= 0 and (busy == run.others_busy or run.busy_s == 0.0):
+                continue
+            run.left -= (t - run.since) / run.seconds() if run.version >= 0 else 0.0
+            run.since, run.others_busy, run.version = t, busy, next(self.seq)  # unique: older ends never match
+            self.at(t + max(0.0, run.left) * run.seconds(), self.stepped, name, run.version)
 
     def stream(self, t: float, tokens: int) -> None:
         self.streamed.append((t, tokens))
@@ -176,9 +239,14 @@ class _Sim:
             self.streamed_in_window -= self.streamed.popleft()[1]
         return self.streamed_in_window / TOKEN_WINDOW_S
 
-    def stepped(self, t: float, name: str, out) -> None:
+    def stepped(self, t: float, name: str, version: int) -> None:
+        run = self.stepping.get(name)
+        if run is None or run.version != version:  # its pace changed since this end was set
+            return
+        del self.stepping[name]
+        self.share(t)
         w = self.workers[name]
-        updates = w.apply(out)
+        updates = w.apply(run.out)
         if w in self.prefill:
             self.prefilled(t, name, updates)
             return
@@ -228,8 +296,9 @@ class _Sim:
 
 
 def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, int]],
-             max_num_seqs: int = 64) -> list[SimRequest]:
-    """Run (arrival_s, prompt_tokens, output_tokens) requests through the pools."""
+             max_num_seqs: int = 64, seed: int = 0) -> list[SimRequest]:
+    """Run (arrival_s, prompt_tokens, output_tokens) requests through the pools (`seed`: the
+    steps' noise, where the profile has it)."""
     if pools.decode < 1 or pools.prefill < 0:
         raise ValueError(f"pools need at least one decode worker and no negative count: {pools}")
     reqs = [SimRequest(a, max(1, p), max(1, o)) for a, p, o in requests]
@@ -238,7 +307,7 @@ def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, in
     if too_big:
         raise ValueError(f"a request of {too_big[0].prompt}+{too_big[0].output} tokens exceeds a worker's KV "
                          f"capacity ({profile.kv_tokens} tokens)")
-    _Sim(profile, pools, max_num_seqs).run(reqs)
+    _Sim(profile, pools, max_num_seqs, seed).run(reqs)
     if profile.ttft_overhead_s:  # the serving path's latency: every token reaches the client that much later
         for r in reqs:
             r.first_token += profile.ttft_overhead_s
@@ -277,12 +346,22 @@ def poisson_requests(lengths: list[tuple[int, int]], rate: float, seed: int = 0)
     return out
 
 
+def replay(profile: Profile, pools: Pools, requests: list[tuple[float, int, int]], replays: int = 1,
+           max_num_seqs: int = 64) -> list[SimRequest]:
+    """The requests simulated `replays` times, one noise seed each (one time where the profile's
+    steps have no noise), pooled: percentiles that one seed's luck does not set."""
+    if not profile.noisy:
+        replays = 1
+    return [r for seed in range(replays) for r in simulate(profile, pools, requests, max_num_seqs, seed)]
+
+
 def goodput(profile: Profile, pools: Pools, lengths: list[tuple[int, int]], slo_ttft: float, slo_tpot: float,
-            seed: int = 0, start_rate: float = 0.25, iterations: int = 7) -> tuple[float, dict]:
-    """The highest Poisson rate (req/s) with >= 90% SLO attainment, and the summary there."""
+            seed: int = 0, start_rate: float = 0.25, iterations: int = 7, replays: int = 1) -> tuple[float, dict]:
+    """The highest Poisson rate (req/s) with >= 90% SLO attainment, and the summary there
+    (each rate's requests simulated `replays` times where the steps are noisy)."""
 
     def at(rate: float) -> dict:
-        return summarize(simulate(profile, pools, poisson_requests(lengths, rate, seed)), slo_ttft, slo_tpot)
+        return summarize(replay(profile, pools, poisson_requests(lengths, rate, seed), replays), slo_ttft, slo_tpot)
 
     lo, lo_summary, hi = 0.0, None, start_rate
     while True:  # double until the SLOs fail

@@ -8,14 +8,32 @@ the KV pushes of finished prompts and waits briefly for them (a prefill worker).
 PDSERVE_STEP_LOG=1, every worker logs each step's shape and times; this fits, per kind of
 worker (an aggregated deployment's; a disaggregated one's prefill and decode workers):
 
-    engine step   = price(shape) * (scale + per_token_rate * tokens streamed per second)
+    engine step   = price(shape) * (scale + per_busy * others_busy + per_token_rate * tokens streamed per second)
+                    + per_row_s * rows sampled
     one iteration = engine step + fixed_s + per_sampled_s * rows sampled
 
-The engine step's factor is contention: the cores it shares, and more so the more tokens
-the deployment streams (each costs CPU in the decode worker's gRPC threads, the gateway
-and the client, all on the same cores); the streamed rate is that of the whole deployment
-over the TOKEN_WINDOW_S before the step. Both are fitted by non-negative least squares on
-the logged engine times; the loop terms on the rest of each iteration (its own schedule,
+The engine step's factor is contention. Most of it is the other workers: `others_busy` is
+the share of the step during which the deployment's other workers were in steps of their
+own (0 to 1, averaged over them), and a step beside a busy worker is slower than one beside
+an idle worker (cores, caches and memory bandwidth shared: on a 2-core VM a decode step 1.08x
+the profile beside an idle worker, 1.34x beside a busy one). The rest is `scale`, and the
+tokens the deployment streams (each costs CPU in the decode worker's gRPC threads, the
+gateway and the client, all on the same cores), over the TOKEN_WINDOW_S before the step.
+Each sampled row also costs the engine more than alone (`per_row_s`: the row's token is
+streamed by the worker's gRPC threads, which take the interpreter's lock from the engine
+thread between its native calls). They are fitted by non-negative least squares on the
+logged engine times, each weighted by the inverse of its time (a step's spread grows with
+its length; so weighted, the fitted times add up to the measured ones, and 20 ms decode
+steps are not drowned out by 400 ms chunks). The simulator shares the cores the same way,
+a step going slower while other workers step (simulator.py).
+
+What the terms leave is not only step-to-step jitter: a worker's steps stray together for
+a second or more (another tenant of the host, the host's own work; over 1 s windows the
+ratio of measured to fitted spans 0.84-1.22 between the 10th and 90th percentiles, over
+single steps 0.76-1.31), and a request's TPOT feels such a stretch whole. `fit_noise` fits
+it as an Ornstein-Uhlenbeck process in the log of that ratio (sd and time constant), and
+the simulator draws each worker's from it.
+The loop terms are fitted on the rest of each iteration (its own schedule,
 execute and output handling, plus the loop's work before the next step when it did not go
 idle). A decode worker's sampled rows are the tokens it streams, a prefill worker's the
 prompts it finishes (each a push), so one form covers both roles. The simulator prices a
@@ -25,6 +43,8 @@ worker's iterations with its kind's terms (Profile.loop_terms) when the profile 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 import statistics
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,6 +57,7 @@ _MARK = " pdserve.step: "
 # decode workers, and prefill too), and a disaggregated one's prefill and decode workers.
 KINDS = ("aggregated", "prefill", "decode")
 TOKEN_WINDOW_S = 2.0  # the streamed-token rate a step's contention is priced at: over this window before it
+NOISE_WINDOWS_S = (0.25, 2.0)  # the windows whose variances fit the steps' noise (fit_noise)
 
 
 @dataclass(frozen=True)
@@ -61,16 +82,31 @@ class LoopTerms:
     fixed_s: float
     per_sampled_s: float
     per_token_rate: float = 0.0  # the scale's growth per token/s the deployment streams
+    per_busy: float = 0.0  # and with the other workers busy throughout the step
+    per_row_s: float = 0.0  # the engine's own extra seconds per sampled row
+    noise_sd: float = 0.0  # how far a worker's steps stray from the terms (sd of the log of their ratio)
+    noise_s: float = 0.0  # and for how long a stray lasts (the time constant of its decay)
     steps: int = 0  # steps it was fitted on
     error: float = 0.0  # mean relative error of the fitted iteration time over those steps
 
-    def iteration_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0) -> float:
-        return (engine_price_s * (self.scale + self.per_token_rate * token_rate) + self.fixed_s
+    def engine_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0, others_busy: float = 0.0) -> float:
+        return (engine_price_s * (self.scale + self.per_token_rate * token_rate + self.per_busy * others_busy)
+                + self.per_row_s * sampled)
+
+    def iteration_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0,
+                    others_busy: float = 0.0) -> float:
+        return (self.engine_s(engine_price_s, sampled, token_rate, others_busy) + self.fixed_s
                 + self.per_sampled_s * sampled)
 
     def as_list(self) -> list[float]:
         """As Profile.loop_terms keeps them."""
-        return [self.scale, self.fixed_s, self.per_sampled_s, self.per_token_rate]
+        return [self.scale, self.fixed_s, self.per_sampled_s, self.per_token_rate, self.per_busy, self.per_row_s,
+                self.noise_sd, self.noise_s]
+
+    @classmethod
+    def of(cls, terms: list[float]) -> LoopTerms:
+        """From Profile.loop_terms' list (older profiles have fewer: the rest are 0)."""
+        return cls(*(*terms, *[0.0] * 8)[:8])
 
 
 def read_steps(paths: Iterable[Path]) -> Iterator[LoggedStep]:
@@ -117,30 +153,110 @@ class TokenRate:
         return (self.cumulative[j] - self.cumulative[i]) / TOKEN_WINDOW_S
 
 
+class OthersBusy:
+    """The share of a time span during which a process's fellow workers were in steps
+    (0: all idle, 1: all of them busy throughout), from their logged steps."""
+
+    def __init__(self, steps: list[LoggedStep]):
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        for s in steps:
+            self.spans.setdefault(s.process, []).append((s.t, s.t + s.busy_s))
+        for spans in self.spans.values():
+            spans.sort()
+        self.longest = {p: max(b - a for a, b in spans) for p, spans in self.spans.items()}
+
+    def over(self, process: str, start: float, end: float) -> float:
+        others = [p for p in self.spans if p != process]
+        if not others or end <= start:
+            return 0.0
+        covered = 0.0
+        for p in others:
+            spans = self.spans[p]
+            i = bisect.bisect_left(spans, (start - self.longest[p],))
+            while i < len(spans) and spans[i][0] < end:
+                covered += max(0.0, min(end, spans[i][1]) - max(start, spans[i][0]))
+                i += 1
+        return min(1.0, covered / (end - start) / len(others))
+
+
+def _window_variances(runs: list[list[tuple[float, float, float]]], window_s: float) -> float:
+    """Variance of log(measured / predicted) over consecutive windows of `window_s` seconds of
+    each process's iterations ((start, measured, predicted) in time order)."""
+    logs = []
+    for run in runs:
+        i = 0
+        while i < len(run):
+            j, measured, predicted = i, 0.0, 0.0
+            while j < len(run) and run[j][0] < run[i][0] + window_s:
+                measured, predicted, j = measured + run[j][1], predicted + run[j][2], j + 1
+            if predicted > 0 and measured > 0:
+                logs.append(math.log(measured / predicted))
+            i = j
+    return statistics.pvariance(logs) if len(logs) > 2 else 0.0
+
+
+def fit_noise(runs: list[list[tuple[float, float, float]]]) -> tuple[float, float]:
+    """(sd, time constant) of a stationary Ornstein-Uhlenbeck process in log(measured /
+    predicted) that gives the variance the iterations show over short windows (NOISE_WINDOWS_S[0])
+    and how much of it is left over longer ones (NOISE_WINDOWS_S[1]): a slow host stretch
+    (another tenant, the host's own work) lasts seconds, and a request's TPOT feels it whole."""
+    short, long = NOISE_WINDOWS_S
+    v_short, v_long = _window_variances(runs, short), _window_variances(runs, long)
+    if v_short <= 0.0:
+        return 0.0, 0.0
+
+    def kept(window_s: float, tau: float) -> float:  # share of an OU process's variance in a window's mean
+        x = window_s / tau
+        return 2 * (x - 1 + math.exp(-x)) / (x * x)
+
+    lo, hi = 0.01, 100.0  # bisect the time constant whose windows keep the measured share
+    target = min(v_long / v_short, 0.999)
+    for _ in range(60):
+        tau = math.sqrt(lo * hi)
+        if kept(long, tau) / kept(short, tau) < target:
+            lo = tau
+        else:
+            hi = tau
+    tau = math.sqrt(lo * hi)
+    return math.sqrt(v_short / kept(short, tau)), tau
+
+
 def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
     """The terms of each kind of worker in one deployment's steps, against the profile's step
     model `coef` (deploy/step_cost.NAMES order): "prefill" and "decode" if it has prefill
     workers, else "aggregated"."""
-    rate = TokenRate(steps)
+    rate, busy = TokenRate(steps), OthersBusy(steps)
     disaggregated = any(s.role == "prefill" for s in steps)
     terms = {}
     for role in ("prefill", "decode"):
         kind = role if disaggregated else "aggregated"
-        rows = [(s, it, price(coef, s.shape), rate.at(s.t)) for s, it in iterations(steps) if s.role == role]
+        rows = [(s, it, price(coef, s.shape), rate.at(s.t), busy.over(s.process, s.t, s.t + s.busy_s))
+                for s, it in iterations(steps) if s.role == role]
         rows = [row for row in rows if row[2] > 0]
         if len(rows) < 10:
             continue
-        scale, per_rate = nnls([[p, p * r] for _, _, p, r in rows], [s.engine_s for s, _, _, _ in rows])
+        scale, per_rate, per_busy, per_row = nnls(  # weighted: each row over the root of its step's time
+            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, s.shape.num_sampled)] for s, _, p, r, o in rows],
+            [math.sqrt(s.engine_s) for s, *_ in rows])
+        engine = LoopTerms(scale, 0.0, 0.0, per_rate, per_busy, per_row)
         fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, *_ in rows],
-                                  [it - p * (scale + per_rate * r) for s, it, p, r in rows])
-        t = LoopTerms(scale, fixed, per_sampled, per_rate)
-        error = statistics.fmean(abs(t.iteration_s(p, s.shape.num_sampled, r) - it) / it for s, it, p, r in rows)
-        terms[kind] = LoopTerms(scale, fixed, per_sampled, per_rate, len(rows), error)
+                                  [it - engine.engine_s(p, s.shape.num_sampled, r, o) for s, it, p, r, o in rows])
+        t = dataclasses.replace(engine, fixed_s=fixed, per_sampled_s=per_sampled)
+        predicted = [t.iteration_s(p, s.shape.num_sampled, r, o) for s, _, p, r, o in rows]
+        error = statistics.fmean(abs(q - it) / it for q, (_, it, *_) in zip(predicted, rows))
+        runs: dict[str, list[tuple[float, float, float]]] = {}
+        for q, (s, it, *_) in zip(predicted, rows):
+            runs.setdefault(s.process, []).append((s.t, it, q))
+        noise_sd, noise_s = fit_noise([sorted(run) for run in runs.values()])
+        terms[kind] = dataclasses.replace(t, noise_sd=noise_sd, noise_s=noise_s, steps=len(rows), error=error)
     return terms
 
 
 def describe(terms: dict[str, LoopTerms]) -> str:
-    return "; ".join(f"{kind}: steps x({t.scale:.2f} + {t.per_token_rate * 100:.3f} per 100 streamed tokens/s) the "
-                     f"profile, +{t.fixed_s * 1e3:.1f} ms per iteration "
-                     f"+{t.per_sampled_s * 1e3:.2f} ms per sampled row ({t.steps} steps, {t.error:.1%} mean error)"
+    return "; ".join(f"{kind}: steps x({t.scale:.2f} + {t.per_busy:.2f} with the other workers busy + "
+                     f"{t.per_token_rate * 100:.3f} per 100 streamed tokens/s) the profile "
+                     f"+{t.per_row_s * 1e3:.2f} ms per sampled row, +{t.fixed_s * 1e3:.1f} ms per iteration "
+                     f"+{t.per_sampled_s * 1e3:.2f} ms per sampled row outside the engine "
+                     f"({t.steps} steps, {t.error:.1%} mean error; runs of steps stray by a factor of "
+                     f"e^N(0, {t.noise_sd:.2f}^2) lasting ~{t.noise_s:.1f} s)"
                      for kind, t in terms.items())

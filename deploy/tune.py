@@ -21,7 +21,10 @@ import sys
 from pathlib import Path
 
 from deploy.profile import Profile
-from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, simulate, summarize
+from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, replay, simulate, summarize
+
+
+REPLAYS = 5  # simulated replays of a run (seeds of the steps' noise), pooled
 
 
 def splits(workers: int) -> list[Pools]:
@@ -32,30 +35,36 @@ def splits(workers: int) -> list[Pools]:
 def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_tpot: float,
          workers: int, seed: int = 0) -> list[tuple[Pools, float, dict]]:
     """(pools, goodput req/s, summary at that rate) for each split, best first."""
-    rows = [(pools, *goodput(profile, pools, lengths, slo_ttft, slo_tpot, seed)) for pools in splits(workers)]
+    rows = [(pools, *goodput(profile, pools, lengths, slo_ttft, slo_tpot, seed, replays=REPLAYS))
+            for pools in splits(workers)]
     return sorted(rows, key=lambda r: -r[1])
 
 
 def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float,
-             resamples: int = 1000) -> list[dict]:
+             resamples: int = 1000, replays: int = REPLAYS) -> list[dict]:
     """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests,
     with a 95% bootstrap interval on each p90's relative error (the requests resampled, each
-    drawn set compared measured against simulated: how far the error can be trusted)."""
+    drawn set compared measured against simulated: how far the error can be trusted). Where
+    the profile's steps are noisy (deploy/step_fit.fit_noise) the run is simulated `replays`
+    times, one noise seed each, and the simulated figures pool them: one replay's p90 near
+    capacity moves by tens of percent from seed to seed, as a measured run's would."""
     if "deployments" in bench:
         raise ValueError(f"a comparison file: validate one of its deployments ({', '.join(bench['deployments'])}) "
                          "with --deployment NAME")
     rows = []
     for run in bench["runs"]:
-        requests, tpots, done = _replay(run)
+        requests, tpots, done = _requests_of(run)
         if not done:
             continue
-        simulated = simulate(profile, pools, requests)
-        sim = summarize(simulated, slo_ttft, slo_tpot)
+        replayed = [simulate(profile, pools, requests, seed=k) for k in range(replays if profile.noisy else 1)]
+        sim = summarize([r for one in replayed for r in one], slo_ttft, slo_tpot)
+        each = list(zip(*replayed))  # per request: its simulated copies
         measured_ttft = _p90([r["ttft_s"] for r in done])
         measured_tpot = _p90(tpots)
-        pairs_ttft = [(r["ttft_s"], s.ttft) for r, s in zip(done, simulated)]
-        pairs_tpot = [(r["tpot_s"], s.tpot) for r, s in zip(done, simulated) if r.get("tpot_s") is not None]
-        rows.append({"rate": run.get("rate"), "requests": len(done),
+        pairs_ttft = [(r["ttft_s"], [c.ttft for c in copies]) for r, copies in zip(done, each)]
+        pairs_tpot = [(r["tpot_s"], [c.tpot for c in copies]) for r, copies in zip(done, each)
+                      if r.get("tpot_s") is not None]
+        rows.append({"rate": run.get("rate"), "requests": len(done), "replays": len(replayed),
                      "measured_ttft_p90": measured_ttft, "sim_ttft_p90": sim["ttft_p90"],
                      "ttft_p90_error_ci": p90_error_interval(pairs_ttft, resamples),
                      "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
@@ -65,18 +74,21 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
     return rows
 
 
-def p90_error_interval(pairs: list[tuple[float, float]], resamples: int = 1000, seed: int = 0) -> list[float]:
+def p90_error_interval(pairs: list[tuple[float, float | list[float]]], resamples: int = 1000,
+                       seed: int = 0) -> list[float]:
     """The 95% bootstrap interval of (simulated p90 - measured p90) / measured p90 over
-    (measured, simulated) pairs of the same requests; [nan, nan] with too few to say."""
+    (measured, simulated) pairs of the same requests (simulated: one value, or a list of one
+    per replay); [nan, nan] with too few to say."""
     if len(pairs) < 10 or resamples < 1:
         return [math.nan, math.nan]
+    pairs = [(m, s if isinstance(s, list) else [s]) for m, s in pairs]
     rng = random.Random(seed)
     errors = []
     for _ in range(resamples):
         drawn = [pairs[rng.randrange(len(pairs))] for _ in pairs]
         measured = _p90([m for m, _ in drawn])
         if measured > 0:
-            errors.append((_p90([s for _, s in drawn]) - measured) / measured)
+            errors.append((_p90([x for _, s in drawn for x in s]) - measured) / measured)
     if not errors:
         return [math.nan, math.nan]
     errors.sort()
@@ -100,7 +112,7 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
     if profile.loop_terms:  # the steps' costs come from the deployment's step logs: only the path's latency here
         return _calibrate_ttft(profile, pools, runs[0], slo_ttft, slo_tpot)
     served = [r for r in runs[1:] if _attainment(r, slo_ttft, slo_tpot) >= TARGET_ATTAINMENT]
-    fitted = [_replay(r) for r in [runs[0], *served[-1:]]]
+    fitted = [_requests_of(r) for r in [runs[0], *served[-1:]]]
     fitted = [(reqs, tpots) for reqs, tpots, _ in fitted if tpots]
     for _ in range(4 if fitted else 0):
         points = []  # (mean decode batch, mean TPOT missed)
@@ -117,8 +129,8 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
 
 def _calibrate_ttft(profile: Profile, pools: Pools, run: dict, slo_ttft: float, slo_tpot: float) -> Profile:
     """The mean TTFT the simulator misses on `run` (the lowest rate) as a per-request latency."""
-    reqs, _, done = _replay(run)
-    sim = summarize(simulate(profile, pools, reqs), slo_ttft, slo_tpot)
+    reqs, _, done = _requests_of(run)
+    sim = summarize(replay(profile, pools, reqs, REPLAYS), slo_ttft, slo_tpot)
     profile.ttft_overhead_s = max(0.0, statistics.fmean(r["ttft_s"] for r in done) - sim["mean_ttft"])
     return profile
 
@@ -152,7 +164,7 @@ def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:
     return good / len(run["requests"]) if run["requests"] else 0.0
 
 
-def _replay(run: dict) -> tuple[list[tuple[float, int, int]], list[float], list[dict]]:
+def _requests_of(run: dict) -> tuple[list[tuple[float, int, int]], list[float], list[dict]]:
     """A measured run's finished requests as simulator input, their TPOTs, and the records."""
     done = [r for r in run["requests"] if r.get("status") == "ok"]
     t0 = min(r["arrival_s"] for r in run["requests"])

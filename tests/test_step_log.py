@@ -1,6 +1,8 @@
 """A worker's step log (PDSERVE_STEP_LOG, worker/step_log.py) and the fit of a deployment's
 step costs from it (deploy/step_fit.py): a real engine loop on a tiny model logs each step's
-shape as the scheduler made it, and the fit recovers known contention and loop terms."""
+shape as the scheduler made it, and the fit recovers known contention (from the streamed
+tokens and from the other workers' steps), loop terms and noise; the simulator shares the
+cores and draws the noise as fitted."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from deploy.profile import Profile
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, simulate
 from deploy.step_cost import KNOTS, price
-from deploy.step_fit import LoggedStep, TokenRate, fit, iterations, read_steps
+import math
+import random
+
+from deploy.step_fit import LoggedStep, LoopTerms, OthersBusy, TokenRate, fit, fit_noise, iterations, read_steps
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint
@@ -99,3 +104,70 @@ def test_a_profile_with_loop_terms_prices_each_role_by_them():
     alone = simulate(p, Pools(0, 1), [(0.0, 64, 16)])[0]
     p.loop_terms["aggregated"] = [2.0, 0.0, 0.0]  # an aggregated worker's terms are its own
     assert simulate(p, Pools(0, 1), [(0.0, 64, 16)])[0].finish > alone.finish
+
+
+def test_the_fit_recovers_how_much_slower_a_step_runs_beside_a_busy_worker():
+    """Prefill worker B steps for 1 s, rests for 1 s, and so on; decode worker A's steps cost
+    1.1x their price beside an idle B and 1.1 + 0.3 = 1.4x beside a busy one, plus 0.2 ms per
+    sampled row."""
+    coef, steps = _coef(), []
+    for k in range(20):  # B: 0.1 s steps through every even second
+        steps += [LoggedStep(2 * k + 0.1 * i, "prefill b", StepShape((), ((0, 64),), 1), 0.1, 0.1, 0.0)
+                  for i in range(10)]
+    t = 0.0
+    while t < 40:
+        shape = StepShape(tuple(100 for _ in range(1 + int(t) % 4)), (), 1 + int(t) % 4)
+        beside_busy = int(t) % 2 == 0
+        engine = price(coef, shape) * (1.4 if beside_busy else 1.1) + 0.0002 * shape.num_sampled
+        if int(t) == int(t + engine):  # a step within one second: all beside busy, or all beside idle
+            steps.append(LoggedStep(t, "decode a", shape, engine, engine, 0.0))
+        t += engine
+    busy = OthersBusy(steps)
+    a_steps = [s for s in steps if s.process == "decode a"]
+    assert {round(busy.over(s.process, s.t, s.t + s.busy_s), 6) for s in a_steps} == {0.0, 1.0}
+    terms = fit(coef, steps)["decode"]
+    assert terms.per_busy == pytest.approx(0.3, abs=0.02) and terms.per_row_s == pytest.approx(0.0002, rel=0.1)
+    assert terms.scale == pytest.approx(1.1, abs=0.02)
+
+
+def test_the_noise_fit_recovers_a_stray_that_lasts():
+    """An Ornstein-Uhlenbeck process in log(measured / predicted), sd 0.2, time constant 1 s,
+    sampled every 20 ms for 20 minutes: its sd and time constant come back."""
+    rng, z, run = random.Random(1), 0.0, []
+    keep = math.exp(-0.02 / 1.0)
+    for i in range(60_000):
+        z = z * keep + 0.2 * math.sqrt(1 - keep * keep) * rng.gauss(0.0, 1.0)
+        run.append((i * 0.02, 0.02 * math.exp(z), 0.02))
+    sd, tau = fit_noise([run])
+    assert sd == pytest.approx(0.2, rel=0.15) and tau == pytest.approx(1.0, rel=0.3)
+    assert fit_noise([[(i * 0.02, 0.02, 0.02) for i in range(500)]]) == (0.0, 0.0)  # no stray, no noise
+
+
+def test_the_simulator_slows_steps_while_another_worker_steps():
+    """Two requests at once on two aggregated workers whose steps cost twice as much beside a
+    busy worker: each takes about twice as long as alone; beside an idle worker, as alone."""
+    p = Profile("m", "float32", 1, 16, 512, 1 << 16, step_coef=_coef())
+    p.loop_terms = {"aggregated": LoopTerms(1.0, 0.0, 0.0, per_busy=1.0).as_list()}
+    alone = simulate(p, Pools(0, 2), [(0.0, 64, 33)])[0]
+    both = simulate(p, Pools(0, 2), [(0.0, 64, 33), (0.0, 64, 33)])
+    assert both[0].finish == pytest.approx(both[1].finish, rel=0.05)
+    assert both[0].tpot == pytest.approx(2 * alone.tpot, rel=0.05)
+    staggered = simulate(p, Pools(0, 2), [(0.0, 64, 33), (100.0, 64, 33)])
+    assert staggered[1].tpot == pytest.approx(alone.tpot, rel=1e-6)  # the first one long gone
+
+
+def test_the_simulator_draws_each_workers_noise_from_its_seed_with_the_fitted_mean():
+    p = Profile("m", "float32", 1, 16, 512, 1 << 16, step_coef=_coef())
+    p.loop_terms = {"aggregated": LoopTerms(1.0, 0.0, 0.0).as_list()}
+    requests = [(0.5 * i, 64, 65) for i in range(200)]
+    quiet = simulate(p, Pools(0, 2), requests)
+    p.loop_terms = {"aggregated": LoopTerms(1.0, 0.0, 0.0, noise_sd=0.3, noise_s=0.5).as_list()}
+    assert p.noisy
+    one, again, other = (simulate(p, Pools(0, 2), requests, seed=s) for s in (1, 1, 2))
+    assert [r.finish for r in one] == [r.finish for r in again]  # a seed replays exactly
+    assert [r.finish for r in one] != [r.finish for r in other]
+    tpots = [r.tpot for r in one + other]
+    mean_quiet = sum(r.tpot for r in quiet) / len(quiet)
+    assert sum(tpots) / len(tpots) == pytest.approx(mean_quiet, rel=0.1)  # the noise's mean factor is 1
+    spread = sorted(tpots)
+    assert spread[int(0.9 * len(spread))] > 1.2 * spread[int(0.1 * len(spread))]  # requests now differ
