@@ -15,8 +15,8 @@ worker (an aggregated deployment's; a disaggregated one's prefill and decode wor
 The engine step's factor is contention. Most of it is the other workers: `others_busy` is
 the share of the step during which the deployment's other workers were in steps of their
 own (0 to 1, averaged over them), and a step beside a busy worker is slower than one beside
-an idle worker (cores, caches and memory bandwidth shared: on a 2-core VM a decode step 1.08x
-the profile beside an idle worker, 1.34x beside a busy one). The rest is `scale`, and the
+an idle worker (cores, caches and memory bandwidth shared: on a 2-core VM an aggregated
+worker's step 0.99x the profile beside an idle worker, 1.12x beside a busy one). The rest is `scale`, and the
 tokens the deployment streams (each costs CPU in the decode worker's gRPC threads, the
 gateway and the client, all on the same cores), over the TOKEN_WINDOW_S before the step.
 Each sampled row also costs the engine more than alone (`per_row_s`: the row's token is
@@ -28,9 +28,9 @@ steps are not drowned out by 400 ms chunks). The simulator shares the cores the 
 a step going slower while other workers step (simulator.py).
 
 What the terms leave is not only step-to-step jitter: a worker's steps stray together for
-a second or more (another tenant of the host, the host's own work; over 1 s windows the
-ratio of measured to fitted spans 0.84-1.22 between the 10th and 90th percentiles, over
-single steps 0.76-1.31), and a request's TPOT feels such a stretch whole. `fit_noise` fits
+a second or more (another tenant of the host, the host's own work, anything else run on
+it; on a 2-core VM, sd 0.10-0.15 in the log of measured over fitted, lasting 0.3-1.3 s),
+and a request's TPOT feels such a stretch whole. `fit_noise` fits
 it as an Ornstein-Uhlenbeck process in the log of that ratio (sd and time constant), and
 the simulator draws each worker's from it.
 The loop terms are fitted on the rest of each iteration (its own schedule,
