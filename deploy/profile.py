@@ -79,12 +79,11 @@ class Profile:
         a, b, c = self.decode_coef
         return self.step_overhead_s + self.token_overhead_s * batch + a + b * batch + c * batch * context
 
-    def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0, others_busy: float = 0.0) -> float:
+    def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0) -> float:
         """One engine step of `shape` (deploy.sim_worker.StepShape) on a worker of `kind`
-        (deploy/step_fit.KINDS), the other workers busy for `others_busy` of it (0 to 1):
-        see step_parts."""
-        engine_s, busy_s, loop_s = self.step_parts(shape, kind, token_rate)
-        return engine_s + busy_s * others_busy + loop_s
+        (deploy/step_fit.KINDS) beside idle workers: see step_parts."""
+        engine_s, _, loop_s = self.step_parts(shape, kind, token_rate)
+        return engine_s + loop_s
 
     def step_parts(self, shape, kind: str = "decode", token_rate: float = 0.0) -> tuple[float, float, float]:
         """A step of `shape` on a worker of `kind` as (engine seconds beside idle workers, the

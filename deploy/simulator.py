@@ -220,9 +220,8 @@ class _Sim:
     def share(self, t: float) -> None:
         """The workers in steps at t go on at the pace the others' being busy sets; a step
         whose pace changed gets a new end."""
-        others = max(1, len(self.workers) - 1)
+        busy = (len(self.stepping) - 1) / max(1, len(self.workers) - 1)
         for name, run in self.stepping.items():
-            busy = (len(self.stepping) - 1) / others
             if run.version >= 0 and (busy == run.others_busy or run.busy_s == 0.0):
                 continue
             run.left -= (t - run.since) / run.seconds() if run.version >= 0 else 0.0
@@ -347,12 +346,14 @@ def poisson_requests(lengths: list[tuple[int, int]], rate: float, seed: int = 0)
 
 
 def replay(profile: Profile, pools: Pools, requests: list[tuple[float, int, int]], replays: int = 1,
-           max_num_seqs: int = 64) -> list[SimRequest]:
-    """The requests simulated `replays` times, one noise seed each (one time where the profile's
-    steps have no noise), pooled: percentiles that one seed's luck does not set."""
-    if not profile.noisy:
-        replays = 1
-    return [r for seed in range(replays) for r in simulate(profile, pools, requests, max_num_seqs, seed)]
+           max_num_seqs: int = 64) -> list[list[SimRequest]]:
+    """The requests simulated `replays` times, one noise seed each (once where the profile's
+    steps have no noise): pooled, percentiles that one seed's luck does not set."""
+    return [simulate(profile, pools, requests, max_num_seqs, seed) for seed in range(replays if profile.noisy else 1)]
+
+
+def pooled(runs: list[list[SimRequest]]) -> list[SimRequest]:
+    return [r for run in runs for r in run]
 
 
 def goodput(profile: Profile, pools: Pools, lengths: list[tuple[int, int]], slo_ttft: float, slo_tpot: float,
@@ -361,7 +362,8 @@ def goodput(profile: Profile, pools: Pools, lengths: list[tuple[int, int]], slo_
     (each rate's requests simulated `replays` times where the steps are noisy)."""
 
     def at(rate: float) -> dict:
-        return summarize(replay(profile, pools, poisson_requests(lengths, rate, seed), replays), slo_ttft, slo_tpot)
+        return summarize(pooled(replay(profile, pools, poisson_requests(lengths, rate, seed), replays)),
+                         slo_ttft, slo_tpot)
 
     lo, lo_summary, hi = 0.0, None, start_rate
     while True:  # double until the SLOs fail

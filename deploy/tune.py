@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from deploy.profile import Profile
-from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, replay, simulate, summarize
+from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, pooled, replay, simulate, summarize
 
 
 REPLAYS = 5  # simulated replays of a run (seeds of the steps' noise), pooled
@@ -56,8 +56,8 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
         requests, tpots, done = _requests_of(run)
         if not done:
             continue
-        replayed = [simulate(profile, pools, requests, seed=k) for k in range(replays if profile.noisy else 1)]
-        sim = summarize([r for one in replayed for r in one], slo_ttft, slo_tpot)
+        replayed = replay(profile, pools, requests, replays)
+        sim = summarize(pooled(replayed), slo_ttft, slo_tpot)
         each = list(zip(*replayed))  # per request: its simulated copies
         measured_ttft = _p90([r["ttft_s"] for r in done])
         measured_tpot = _p90(tpots)
@@ -130,7 +130,7 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
 def _calibrate_ttft(profile: Profile, pools: Pools, run: dict, slo_ttft: float, slo_tpot: float) -> Profile:
     """The mean TTFT the simulator misses on `run` (the lowest rate) as a per-request latency."""
     reqs, _, done = _requests_of(run)
-    sim = summarize(replay(profile, pools, reqs, REPLAYS), slo_ttft, slo_tpot)
+    sim = summarize(pooled(replay(profile, pools, reqs, REPLAYS)), slo_ttft, slo_tpot)
     profile.ttft_overhead_s = max(0.0, statistics.fmean(r["ttft_s"] for r in done) - sim["mean_ttft"])
     return profile
 

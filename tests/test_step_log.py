@@ -7,6 +7,8 @@ cores and draws the noise as fitted."""
 from __future__ import annotations
 
 import logging
+import math
+import random
 import time
 
 import pytest
@@ -15,9 +17,6 @@ from deploy.profile import Profile
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, simulate
 from deploy.step_cost import KNOTS, price
-import math
-import random
-
 from deploy.step_fit import LoggedStep, LoopTerms, OthersBusy, TokenRate, fit, fit_noise, iterations, read_steps
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
