@@ -35,11 +35,15 @@ from deploy.step_fit import LoopTerms
 # `mixed_*`: the step model's points (deploy/step_cost.py): B prompts of C tokens at once, run
 # to a few tokens each (prefill chunks, then decodes), for every pair that fits the KV pool;
 # then B sequences decoding while a long prompt is prefilled beside them in chunks.
+# `decode_sweep`: for each mean context, as many sequences as fit decode together and finish
+# one at a time, SWEEP_STEPS steps apart: pure decode steps at every batch size down to 1.
 FULL = {"prefill": [16, 64, 128, 256, 512], "long_prompt": 2048, "decode_batch": [1, 8, 32],
         "decode_context": [128, 896], "mixed_batch": [1, 4, 16, 32, 64], "mixed_context": [48, 400, 1200],
-        "mixed_beside": [1, 8, 32]}
+        "mixed_beside": [1, 8, 32], "decode_sweep": [160, 640]}
 QUICK = {"prefill": [32, 512], "long_prompt": 1024, "decode_batch": [1, 8], "decode_context": [128, 512],
-         "mixed_batch": [1, 8], "mixed_context": [48, 400], "mixed_beside": [4]}
+         "mixed_batch": [1, 8], "mixed_context": [48, 400], "mixed_beside": [4], "decode_sweep": [160]}
+SWEEP_STEPS = 3
+MAX_SEQS = 64  # the profiled engine's max_num_seqs (the serving default)
 
 
 @dataclass
@@ -195,7 +199,7 @@ def _measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: fl
     path = resolve_model(model)
     model_len = ModelConfig.from_pretrained(path).max_model_len
     engine = LLMEngine.from_folder(path, dtype, CacheConfig(block_size, None, kv_memory_gib),
-                                   SchedulerConfig(max_num_batched_tokens, 64, model_len))
+                                   SchedulerConfig(max_num_batched_tokens, MAX_SEQS, model_len))
     dtype = str(engine.config.dtype).removeprefix("torch.")  # what `auto` resolved to on this host
     profile = Profile(model, dtype, threads, block_size, max_num_batched_tokens,
                       engine.num_kv_blocks * block_size)
@@ -271,6 +275,9 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
         for ctx in grid["mixed_context"]:
             if batch * (ctx + 8) <= room:
                 run_all([(prompt(ctx), 8) for _ in range(batch)])
+    for ctx in grid.get("decode_sweep", []):
+        say(f"decode sweep at context ~{ctx}")
+        run_all(_sweep(ctx, room, MAX_SEQS, profile.max_num_batched_tokens, prompt))
     long = grid["long_prompt"]
     for batch in grid["mixed_beside"]:  # decodes beside a long prompt's chunks, then alone
         if batch * 300 + long <= room:
@@ -283,6 +290,17 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
                            for s, t in points]
     say(f"step model: {len(points)} mixed steps, error on the 20% held out of the fit: mean "
         f"{model.held_out_error:.1%}, p90 {model.held_out_p90_error:.1%}")
+
+
+def _sweep(ctx: int, room: int, max_seqs: int, budget: int, prompt) -> list[tuple[list[int], int]]:
+    """Prompts of ctx/2 to 3ctx/2 tokens, as many as fit `room` (at most `max_seqs`), whose
+    output lengths end them one at a time SWEEP_STEPS steps apart once all are decoding."""
+    batch = max_seqs
+    while batch > 1 and batch * (ctx * 3 // 2 + batch * (SWEEP_STEPS + 1) + ctx // budget + 8) > room:
+        batch -= 1
+    lengths = [ctx // 2 + (ctx * i) // max(1, batch - 1) for i in range(batch)]
+    prefill_steps = math.ceil(sum(lengths) / budget) + 2  # the first prompt waits this long for the last
+    return [(prompt(n), prefill_steps + SWEEP_STEPS * (i + 1)) for i, n in enumerate(lengths)]
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:

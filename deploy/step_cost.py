@@ -21,34 +21,45 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-NAMES = [f"linears@{k}" for k in KNOTS] + ["decode_context", "prefill_attention", "prefill_chunks", "sampled_rows"]
+# Every batch size up to 16, then sparser: the linears' cost is not smooth in M at decode
+# batch sizes (a CPU GEMM blocks rows by its vector width: on an AVX-512 host batch 8 decodes
+# faster than batch 6 or 7), and decodes spend most of a deployment's time there.
+KNOTS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256, 384, 512)
+LEGACY_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # what profiles made before the dense knots fitted
+TERMS = ["decode_context", "prefill_attention", "prefill_chunks", "sampled_rows"]
+NAMES = [f"linears@{k}" for k in KNOTS] + TERMS
 
 
-def _hats(m: float) -> list[float]:
+def _hats(m: float, knots: tuple[int, ...]) -> list[float]:
     """Weights of the knots for m tokens: linear interpolation between the two around it."""
-    out = [0.0] * len(KNOTS)
-    if m <= KNOTS[0]:
+    out = [0.0] * len(knots)
+    if m <= knots[0]:
         out[0] = 1.0
         return out
-    for i in range(1, len(KNOTS)):
-        if m <= KNOTS[i] or i == len(KNOTS) - 1:  # past the last knot: the last segment, extended
-            t = (m - KNOTS[i - 1]) / (KNOTS[i] - KNOTS[i - 1])
+    for i in range(1, len(knots)):
+        if m <= knots[i] or i == len(knots) - 1:  # past the last knot: the last segment, extended
+            t = (m - knots[i - 1]) / (knots[i] - knots[i - 1])
             out[i - 1], out[i] = 1.0 - t, t
             return out
     return out
 
 
-def features(shape) -> list[float]:
+def features(shape, knots: tuple[int, ...] = KNOTS) -> list[float]:
     """The model's inputs for a StepShape (deploy.sim_worker)."""
     chunks = shape.prefill_chunks
-    return [*_hats(shape.num_tokens), float(sum(shape.decode_contexts)),
+    return [*_hats(shape.num_tokens, knots), float(sum(shape.decode_contexts)),
             float(sum(n * (s + n / 2) for s, n in chunks)), float(len(chunks)), float(shape.num_sampled)]
 
 
+def knots_of(coef: list[float]) -> tuple[int, ...]:
+    """The knots a coefficient list was fitted with (a profile older than the dense knots
+    has the legacy ones)."""
+    return LEGACY_KNOTS if len(coef) == len(LEGACY_KNOTS) + len(TERMS) else KNOTS
+
+
 def price(coef: list[float], shape) -> float:
-    """A StepShape's seconds under coefficients in NAMES order."""
-    return sum(c * f for c, f in zip(coef, features(shape)))
+    """A StepShape's seconds under coefficients in NAMES order (or the legacy knots')."""
+    return sum(c * f for c, f in zip(coef, features(shape, knots_of(coef))))
 
 
 def nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -110,5 +121,39 @@ class StepCost:
 
 
 def _fit(points: list[tuple[object, float]]) -> list[float]:
-    rows = [[f / t for f in features(s)] for s, t in points]  # relative error: each row over its time
-    return nnls(rows, [1.0] * len(points))
+    """Coefficients in NAMES order. A knot with less than one point's weight on it is not fitted
+    (one stray point would set it alone): its value is the interpolation between the nearest
+    fitted knots, and its points' weight is theirs in the fit, in the same proportions."""
+    feats = [features(s) for s, _ in points]
+    k = len(KNOTS)
+    anchors = [j for j in range(k) if sum(f[j] for f in feats) >= 1.0] or list(range(k))
+    spread = [_between(j, anchors) for j in range(k)]  # knot -> [(anchor, weight)]
+    columns = anchors + list(range(k, len(NAMES)))
+    rows = []
+    for f, (_, t) in zip(feats, points):  # relative error: each row over its time
+        row = dict.fromkeys(columns, 0.0)
+        for j in range(k):
+            for a, w in spread[j]:
+                row[a] += f[j] * w
+        for j in range(k, len(NAMES)):
+            row[j] = f[j]
+        rows.append([row[j] / t for j in columns])
+    fitted = dict(zip(columns, nnls(rows, [1.0] * len(points))))
+    knots = [max(0.0, sum(fitted[a] * w for a, w in spread[j])) for j in range(k)]  # (a falling line, extended)
+    return knots + [fitted[j] for j in range(k, len(NAMES))]
+
+
+def _between(j: int, anchors: list[int]) -> list[tuple[int, float]]:
+    """Knot j as a linear blend of the anchor knots around it: itself, if it is one; past the
+    last, the last two's line extended (as the hats extend the last segment); before the
+    first, the first one."""
+    if j in anchors:
+        return [(j, 1.0)]
+    lo = max((a for a in anchors if a < j), default=None)
+    hi = min((a for a in anchors if a > j), default=None)
+    if hi is None and len(anchors) >= 2:
+        lo, hi = anchors[-2], anchors[-1]
+    elif lo is None or hi is None:
+        return [(lo if hi is None else hi, 1.0)]
+    t = (KNOTS[j] - KNOTS[lo]) / (KNOTS[hi] - KNOTS[lo])
+    return [(lo, 1.0 - t), (hi, t)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 import subprocess
 import sys
 
@@ -91,8 +92,6 @@ def test_fit_recovers_known_costs_and_keeps_coefficients_non_negative():
 def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
     """Steps priced by a known function of the model's own form (a bend in the linears' cost
     at 64 tokens, attention terms) are fitted back exactly; the held-out error is ~0."""
-    import random
-
     rng = random.Random(0)
 
     def truth(shape: StepShape) -> float:
@@ -113,6 +112,21 @@ def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
         assert model.seconds(s) == pytest.approx(truth(s), rel=0.02)
 
 
+def test_a_knot_without_points_is_interpolated_between_its_fitted_neighbours():
+    """Decodes at batches 1, 4 and 16 only, linear in the batch: the knots between them have no
+    points of their own, and price as the fitted line does (none is left at 0)."""
+    def truth(shape: StepShape) -> float:
+        return 0.010 + 0.001 * shape.num_tokens + 2e-7 * sum(shape.decode_contexts)
+
+    rng = random.Random(1)
+    shapes = [StepShape(tuple(rng.randrange(50, 900) for _ in range(b)), (), b) for b in (1, 4, 16) for _ in range(20)]
+    model = StepCost.fit([(s, truth(s)) for s in shapes], held_out=0.0)
+    for batch in (2, 3, 5, 10, 15):
+        shape = StepShape((300,) * batch, (), batch)
+        assert model.seconds(shape) == pytest.approx(truth(shape), rel=1e-3)
+    assert all(c >= 0 for c in model.coef)
+
+
 def test_nnls_matches_the_constrained_optimum():
     assert nnls([[1, 0], [0, 1], [1, 1]], [2.0, -1.0, 1.0]) == pytest.approx([1.5, 0.0])  # x2 would be < 0
     assert nnls([[1, 2], [3, 4], [5, 6]], [5.0, 11.0, 17.0]) == pytest.approx([1.0, 2.0])  # the exact solution
@@ -121,7 +135,7 @@ def test_nnls_matches_the_constrained_optimum():
 def test_profile_measures_a_real_engine(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48],
-            "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3]}
+            "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3], "decode_sweep": [24]}
     said = []
     p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=said.append,
                 siblings=1)  # a busy worker process beside it, started first and stopped after
@@ -134,6 +148,9 @@ def test_profile_measures_a_real_engine(tmp_path):
     assert len(p.step_points) > 20 and len(p.step_coef) == len(NAMES) and all(c >= 0 for c in p.step_coef)
     assert all(math.isfinite(e) for e in p.step_error)
     assert any(points[0] and points[1] for points in p.step_points)  # decodes beside a chunk
+    # The sweep: pure decode steps at every batch size from its largest down to one.
+    batches = {len(decodes) for decodes, chunks, *_ in p.step_points if decodes and not chunks}
+    assert set(range(1, max(batches) + 1)) <= batches and max(batches) >= 16 and any("sweep" in m for m in said)
     assert p.step_s(StepShape((40, 50), ((0, 30),), 2)) > 0
     p.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == p
@@ -176,8 +193,6 @@ def test_validation_of_a_run_the_simulator_itself_produced_has_no_error():
 
 
 def test_p90_error_interval_brackets_the_error_and_widens_with_noise():
-    import random
-
     rng = random.Random(1)
     measured = [rng.expovariate(1.0) for _ in range(400)]
     assert p90_error_interval([(m, 1.1 * m) for m in measured]) == pytest.approx([0.1, 0.1])
