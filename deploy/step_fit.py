@@ -9,7 +9,7 @@ PDSERVE_STEP_LOG=1, every worker logs each step's shape and times; this fits, pe
 worker (an aggregated deployment's; a disaggregated one's prefill and decode workers):
 
     engine step   = price(shape) * (scale + per_busy * others_busy + per_token_rate * tokens streamed per second)
-                    + per_row_s * rows sampled
+                    + per_row_s * min(rows sampled, SATURATED_ROWS)
     one iteration = engine step + fixed_s + per_sampled_s * rows sampled
 
 The engine step's factor is contention. Most of it is the other workers: `others_busy` is
@@ -21,7 +21,10 @@ tokens the deployment streams (each costs CPU in the decode worker's gRPC thread
 gateway and the client, all on the same cores), over the TOKEN_WINDOW_S before the step.
 Each sampled row also costs the engine more than alone (`per_row_s`: the row's token is
 streamed by the worker's gRPC threads, which take the interpreter's lock from the engine
-thread between its native calls). They are fitted by non-negative least squares on the
+thread between its native calls), up to SATURATED_ROWS rows: past that the engine thread
+already waits at most of its hand-offs, and more rows add nothing measurable (a 1P+1D
+decode worker on a 2-core VM: +1 to +5 ms over the profile from batch 5 to 56, not growing
+past 8; a linear term fitted on batches up to 16 put +24 ms on a step of 40). They are fitted by non-negative least squares on the
 logged engine times, each weighted by the inverse of its time (a step's spread grows with
 its length; so weighted, the fitted times add up to the measured ones, and 20 ms decode
 steps are not drowned out by 400 ms chunks). The simulator shares the cores the same way,
@@ -33,9 +36,9 @@ it; on a 2-core VM, sd 0.10-0.15 in the log of measured over fitted, lasting 0.3
 and a request's TPOT feels such a stretch whole. `fit_noise` fits
 it as an Ornstein-Uhlenbeck process in the log of that ratio (sd and time constant), and
 the simulator draws each worker's from it.
-The loop terms are fitted on the rest of each iteration (its own schedule,
-execute and output handling, plus the loop's work before the next step when it did not go
-idle). A decode worker's sampled rows are the tokens it streams, a prefill worker's the
+The loop terms are fitted on the rest of each iteration as measured (the iteration's time
+less its logged engine time: its own schedule and output handling, plus the loop's work
+before the next step when it did not go idle), so the engine model's errors stay out of them. A decode worker's sampled rows are the tokens it streams, a prefill worker's the
 prompts it finishes (each a push), so one form covers both roles. The simulator prices a
 worker's iterations with its kind's terms (Profile.loop_terms) when the profile has them.
 """
@@ -58,6 +61,7 @@ _MARK = " pdserve.step: "
 KINDS = ("aggregated", "prefill", "decode")
 TOKEN_WINDOW_S = 2.0  # the streamed-token rate a step's contention is priced at: over this window before it
 NOISE_WINDOWS_S = (0.25, 2.0)  # the windows whose variances fit the steps' noise (fit_noise)
+SATURATED_ROWS = 8  # per_row_s stops growing here (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class LoopTerms:
     per_sampled_s: float
     per_token_rate: float = 0.0  # the scale's growth per token/s the deployment streams
     per_busy: float = 0.0  # and with the other workers busy throughout the step
-    per_row_s: float = 0.0  # the engine's own extra seconds per sampled row
+    per_row_s: float = 0.0  # the engine's own extra seconds per sampled row (up to SATURATED_ROWS)
     noise_sd: float = 0.0  # how far a worker's steps stray from the terms (sd of the log of their ratio)
     noise_s: float = 0.0  # and for how long a stray lasts (the time constant of its decay)
     steps: int = 0  # steps it was fitted on
@@ -91,7 +95,7 @@ class LoopTerms:
 
     def engine_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0, others_busy: float = 0.0) -> float:
         return (engine_price_s * (self.scale + self.per_token_rate * token_rate + self.per_busy * others_busy)
-                + self.per_row_s * sampled)
+                + self.per_row_s * min(sampled, SATURATED_ROWS))
 
     def iteration_s(self, engine_price_s: float, sampled: int, token_rate: float = 0.0,
                     others_busy: float = 0.0) -> float:
@@ -236,11 +240,11 @@ def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
         if len(rows) < 10:
             continue
         scale, per_rate, per_busy, per_row = nnls(  # weighted: each row over the root of its step's time
-            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, s.shape.num_sampled)] for s, _, p, r, o in rows],
+            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, min(s.shape.num_sampled, SATURATED_ROWS))] for s, _, p, r, o in rows],
             [math.sqrt(s.engine_s) for s, *_ in rows])
         engine = LoopTerms(scale, 0.0, 0.0, per_rate, per_busy, per_row)
         fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, *_ in rows],
-                                  [it - engine.engine_s(p, s.shape.num_sampled, r, o) for s, it, p, r, o in rows])
+                                  [it - s.engine_s for s, it, *_ in rows])  # the loop's own time, as measured
         t = dataclasses.replace(engine, fixed_s=fixed, per_sampled_s=per_sampled)
         predicted = [t.iteration_s(p, s.shape.num_sampled, r, o) for s, _, p, r, o in rows]
         error = statistics.fmean(abs(q - it) / it for q, (_, it, *_) in zip(predicted, rows))

@@ -17,7 +17,8 @@ from deploy.profile import Profile
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, simulate
 from deploy.step_cost import KNOTS, price
-from deploy.step_fit import LoggedStep, LoopTerms, OthersBusy, TokenRate, fit, fit_noise, iterations, read_steps
+from deploy.step_fit import (SATURATED_ROWS, LoggedStep, LoopTerms, OthersBusy, TokenRate, fit, fit_noise, iterations,
+                             read_steps)
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint
@@ -127,6 +128,26 @@ def test_the_fit_recovers_how_much_slower_a_step_runs_beside_a_busy_worker():
     terms = fit(coef, steps)["decode"]
     assert terms.per_busy == pytest.approx(0.3, abs=0.02) and terms.per_row_s == pytest.approx(0.0002, rel=0.1)
     assert terms.scale == pytest.approx(1.1, abs=0.02)
+
+
+def test_the_per_row_cost_stops_at_saturation_and_the_loop_is_fitted_on_its_measured_time():
+    """Batches of 1 to 40: the engine 1.2x its price + 0.3 ms per row up to SATURATED_ROWS, each
+    step off by up to 10% more that no term explains; the loop 1 ms + 0.2 ms per row exactly.
+    The loop terms come back exact (the engine's misses stay out of them), the row term as
+    generated, and a step of 40 rows costs the engine no more rows than one of SATURATED_ROWS."""
+    coef, steps, t, rng = _coef(), [], 0.0, random.Random(3)
+    for i in range(400):
+        batch = 1 + i % 40
+        shape = StepShape(tuple(200 for _ in range(batch)), (), batch)
+        engine = (price(coef, shape) * 1.2 + 0.0003 * min(batch, SATURATED_ROWS)) * rng.uniform(0.9, 1.1)
+        steps.append(LoggedStep(t, "decode d0", shape, engine, engine + 0.001 + 0.0002 * batch, 0.0))
+        t += engine + 0.002
+    terms = fit(coef, steps)["aggregated"]
+    assert terms.fixed_s == pytest.approx(0.001, rel=1e-6) and terms.per_sampled_s == pytest.approx(0.0002, rel=1e-6)
+    assert terms.scale == pytest.approx(1.2, rel=0.05) and terms.per_row_s == pytest.approx(0.0003, rel=0.3)
+    price_of = price(coef, StepShape((200,) * 8, (), 8))
+    assert terms.engine_s(price_of, 40) == terms.engine_s(price_of, SATURATED_ROWS)  # the same price, more rows
+    assert terms.engine_s(price_of, SATURATED_ROWS) > terms.engine_s(price_of, 1)
 
 
 def test_the_noise_fit_recovers_a_stray_that_lasts():
