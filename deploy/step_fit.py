@@ -24,10 +24,10 @@ streamed by the worker's gRPC threads, which take the interpreter's lock from th
 thread between its native calls), up to SATURATED_ROWS rows: past that the engine thread
 already waits at most of its hand-offs, and more rows add nothing measurable (a 1P+1D
 decode worker on a 2-core VM: +1 to +5 ms over the profile from batch 5 to 56, not growing
-past 8; a linear term fitted on batches up to 16 put +24 ms on a step of 40). They are fitted by non-negative least squares on the
-logged engine times, each weighted by the inverse of its time (a step's spread grows with
-its length; so weighted, the fitted times add up to the measured ones, and 20 ms decode
-steps are not drowned out by 400 ms chunks). The simulator shares the cores the same way,
+past 8; a linear term fitted on batches up to 16 put +24 ms on a step of 40). They are
+fitted by non-negative least squares on the logged engine times, each weighted by the
+inverse of its time (a step's spread grows with its length; so weighted, the fitted times
+add up to the measured ones, and 20 ms decode steps are not drowned out by 400 ms chunks). The simulator shares the cores the same way,
 a step going slower while other workers step (simulator.py).
 
 What the terms leave is not only step-to-step jitter: a worker's steps stray together for
@@ -38,7 +38,8 @@ it as an Ornstein-Uhlenbeck process in the log of that ratio (sd and time consta
 the simulator draws each worker's from it.
 The loop terms are fitted on the rest of each iteration as measured (the iteration's time
 less its logged engine time: its own schedule and output handling, plus the loop's work
-before the next step when it did not go idle), so the engine model's errors stay out of them. A decode worker's sampled rows are the tokens it streams, a prefill worker's the
+before the next step when it did not go idle), so the engine model's errors stay out of
+them. A decode worker's sampled rows are the tokens it streams, a prefill worker's the
 prompts it finishes (each a push), so one form covers both roles. The simulator prices a
 worker's iterations with its kind's terms (Profile.loop_terms) when the profile has them.
 """
@@ -240,7 +241,8 @@ def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
         if len(rows) < 10:
             continue
         scale, per_rate, per_busy, per_row = nnls(  # weighted: each row over the root of its step's time
-            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, min(s.shape.num_sampled, SATURATED_ROWS))] for s, _, p, r, o in rows],
+            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, min(s.shape.num_sampled, SATURATED_ROWS))]
+             for s, _, p, r, o in rows],
             [math.sqrt(s.engine_s) for s, *_ in rows])
         engine = LoopTerms(scale, 0.0, 0.0, per_rate, per_busy, per_row)
         fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, *_ in rows],
