@@ -70,7 +70,8 @@ class Profile:
     step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
     siblings: int = 0  # busy worker processes beside the measurement (`pdserve profile --siblings`)
     # Deployments' step costs per kind of worker, fitted on their step logs (deploy/step_fit.py):
-    # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate, per_busy, per_row_s]
+    # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate, per_busy, per_row_s,
+    # noise_sd, noise_s]
     # (step_fit.LoopTerms); where a kind has them, they price its iterations, at the deployment's
     # streamed tokens per second and as busy as the other workers are.
     loop_terms: dict[str, list[float]] = field(default_factory=dict)
@@ -296,6 +297,8 @@ def _sweep(ctx: int, room: int, max_seqs: int, budget: int, prompt) -> list[tupl
     """Prompts of ctx/2 to 3ctx/2 tokens, as many as fit `room` (at most `max_seqs`), whose
     output lengths end them one at a time SWEEP_STEPS steps apart once all are decoding."""
     batch = max_seqs
+    # A bound that errs large: every sequence counted at the longest prompt and about the
+    # longest output (a few steps per sequence in the batch, plus the prefill's wait).
     while batch > 1 and batch * (ctx * 3 // 2 + batch * (SWEEP_STEPS + 1) + ctx // budget + 8) > room:
         batch -= 1
     lengths = [ctx // 2 + (ctx * i) // max(1, batch - 1) for i in range(batch)]

@@ -353,6 +353,7 @@ def replay(profile: Profile, pools: Pools, requests: list[tuple[float, int, int]
 
 
 def pooled(runs: list[list[SimRequest]]) -> list[SimRequest]:
+    """replay()'s runs as one list of requests."""
     return [r for run in runs for r in run]
 
 

@@ -139,7 +139,8 @@ def _fit(points: list[tuple[object, float]]) -> list[float]:
             row[j] = f[j]
         rows.append([row[j] / t for j in columns])
     fitted = dict(zip(columns, nnls(rows, [1.0] * len(points))))
-    knots = [max(0.0, sum(fitted[a] * w for a, w in spread[j])) for j in range(k)]  # (a falling line, extended)
+    # (a knot past the last fitted one, on a falling line extended, would go below 0: it stops at 0)
+    knots = [max(0.0, sum(fitted[a] * w for a, w in spread[j])) for j in range(k)]
     return knots + [fitted[j] for j in range(k, len(NAMES))]
 
 
