@@ -63,6 +63,7 @@ KINDS = ("aggregated", "prefill", "decode")
 TOKEN_WINDOW_S = 2.0  # the streamed-token rate a step's contention is priced at: over this window before it
 NOISE_WINDOWS_S = (0.25, 2.0)  # the windows whose variances fit the steps' noise (fit_noise)
 SATURATED_ROWS = 8  # per_row_s stops growing here (see the module doc)
+LEVEL_WINDOW_S = 60.0  # the contention terms are fitted with one level of the host per this much of a log
 
 
 @dataclass(frozen=True)
@@ -240,11 +241,7 @@ def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
         rows = [row for row in rows if row[2] > 0]
         if len(rows) < 10:
             continue
-        scale, per_rate, per_busy, per_row = nnls(  # weighted: each row over the root of its step's time
-            [[x / math.sqrt(s.engine_s) for x in (p, p * r, p * o, min(s.shape.num_sampled, SATURATED_ROWS))]
-             for s, _, p, r, o in rows],
-            [math.sqrt(s.engine_s) for s, *_ in rows])
-        engine = LoopTerms(scale, 0.0, 0.0, per_rate, per_busy, per_row)
+        engine = _fit_engine(rows)
         fixed, per_sampled = nnls([[1.0, float(s.shape.num_sampled)] for s, *_ in rows],
                                   [it - s.engine_s for s, it, *_ in rows])  # the loop's own time, as measured
         t = dataclasses.replace(engine, fixed_s=fixed, per_sampled_s=per_sampled)
@@ -256,6 +253,55 @@ def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
         noise_sd, noise_s = fit_noise([sorted(run) for run in runs.values()])
         terms[kind] = dataclasses.replace(t, noise_sd=noise_sd, noise_s=noise_s, steps=len(rows), error=error)
     return terms
+
+
+def _fit_engine(rows: list[tuple[LoggedStep, float, float, float, float]]) -> LoopTerms:
+    """The engine terms of one kind from (step, iteration s, price, token rate, others busy):
+    the contention terms with one level per LEVEL_WINDOW_S of the log (the host's drift, which
+    the terms must not soak up: fitted with one level, a run whose host slowed while its rate
+    rose gave its prefill worker +0.06 per 100 streamed tokens/s, with a level per minute
+    0.003), then `scale` as the one level of the whole log given them."""
+    t0 = min(s.t for s, *_ in rows)
+    windows = int((max(s.t for s, *_ in rows) - t0) // LEVEL_WINDOW_S) + 1
+    matrix, target = [], []
+    for s, _, p, r, o in rows:  # weighted: each row over the root of its step's time
+        w = 1.0 / math.sqrt(s.engine_s)
+        level = [0.0] * windows
+        level[int((s.t - t0) // LEVEL_WINDOW_S)] = p * w
+        matrix.append(level + [p * r * w, p * o * w, min(s.shape.num_sampled, SATURATED_ROWS) * w])
+        target.append(s.engine_s * w)
+    per_rate, per_busy, per_row = nnls(matrix, target)[windows:]
+    terms = LoopTerms(1.0, 0.0, 0.0, per_rate, per_busy, per_row)
+    return dataclasses.replace(terms, scale=level_of(terms, [(s, p, r, o) for s, _, p, r, o in rows]))
+
+
+def level_of(terms: LoopTerms, rows: list[tuple[LoggedStep, float, float, float]]) -> float:
+    """The `scale` that fits the engine times of (step, price, token rate, others busy) best
+    given the other terms (weighted least squares as the fit's): the host's level over them."""
+    num = den = 0.0
+    for s, p, r, o in rows:
+        rest = s.engine_s - (terms.engine_s(p, s.shape.num_sampled, r, o) - terms.scale * p)
+        num, den = num + p * rest / s.engine_s, den + p * p / s.engine_s
+    return max(0.0, num / den) if den > 0 else terms.scale
+
+
+def levels(coef: list[float], loop_terms: dict[str, list[float]], steps: list[LoggedStep], start: float,
+           end: float) -> dict[str, float]:
+    """The host's level over [start, end) of a deployment's step log: each kind's `scale`
+    (level_of) on the steps that began then, the other terms as `loop_terms` has them. Where
+    the profile's terms were fitted an hour earlier, this is what the same steps cost now."""
+    rate, busy = TokenRate(steps), OthersBusy(steps)
+    disaggregated = any(s.role == "prefill" for s in steps)
+    out = {}
+    for role in ("prefill", "decode"):
+        kind = role if disaggregated else "aggregated"
+        if kind not in loop_terms:
+            continue
+        rows = [(s, p, rate.at(s.t), busy.over(s.process, s.t, s.t + s.busy_s)) for s in steps
+                if s.role == role and start <= s.t < end for p in [price(coef, s.shape)] if p > 0]
+        if rows:
+            out[kind] = level_of(LoopTerms.of(loop_terms[kind]), rows)
+    return out
 
 
 def describe(terms: dict[str, LoopTerms]) -> str:
