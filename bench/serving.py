@@ -136,11 +136,12 @@ def _client(target: Target):
 
 
 async def _run_load(target: Target, load: Load, requests: list[Request], arrivals: list[float] | None,
-                    duration_s: float | None, progress) -> tuple[list[RequestRecord], float]:
-    """Send `requests` open-loop at `arrivals` or closed-loop; all records once all finished."""
+                    duration_s: float | None, progress) -> tuple[list[RequestRecord], float, float]:
+    """Send `requests` open-loop at `arrivals` or closed-loop; all records once all finished,
+    the run's duration, and its start on the wall clock (arrivals count from it)."""
     records: list[RequestRecord] = []
     async with _client(target) as client:
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
 
         async def one(req: Request) -> None:
             rec = RequestRecord(len(req.prompt_token_ids), arrival_s=time.perf_counter() - t0)
@@ -164,7 +165,7 @@ async def _run_load(target: Target, load: Load, requests: list[Request], arrival
                     await one(req)
 
             await asyncio.gather(*(stream() for _ in range(load.concurrency)))
-        return sorted(records, key=lambda r: r.arrival_s), time.perf_counter() - t0
+        return sorted(records, key=lambda r: r.arrival_s), time.perf_counter() - t0, started_at
 
 
 def _say(message: str) -> None:
@@ -211,10 +212,10 @@ def run_one(target: Target, plan: Plan, load: Load, tokenizer, index: int) -> Ru
     label = f"rate {load.rate:g}/s" if load.rate is not None else f"concurrency {load.concurrency}"
     ticks = host_steal.read()
     with tqdm(total=total, desc=label, unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-        records, duration = asyncio.run(_run_load(target, load, requests, arrivals, plan.duration_s, bar))
+        records, duration, started_at = asyncio.run(_run_load(target, load, requests, arrivals, plan.duration_s, bar))
     summary = summarize(records, duration, plan.slo)
     summary["host_steal"] = host_steal.fraction(ticks, host_steal.read())  # CPU the VM's host took meanwhile
-    return Run(load, duration, summary, records)
+    return Run(load, duration, summary, records, started_at)
 
 
 def sweep(target: Target, plan: Plan, loads: list[Load], tokenizer, search_steps: int = 0) -> list[Run]:

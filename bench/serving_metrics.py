@@ -63,10 +63,11 @@ class Run:
     duration_s: float
     summary: dict
     requests: list[RequestRecord]
+    started_at: float | None = None  # wall clock (Unix seconds) of the run's time zero: its workers' step logs line up
 
     def to_json(self) -> dict:
         return {self.load.key: self.load.x if self.load.rate is not None else self.load.concurrency,
-                "duration_s": self.duration_s, "summary": self.summary,
+                "duration_s": self.duration_s, "started_at": self.started_at, "summary": self.summary,
                 "requests": [{**asdict(r), "status": r.status.value} for r in self.requests]}
 
 

@@ -6,7 +6,8 @@ lists them and the best is the recommendation.
 
 `pdserve tune --validate BENCH.json --prefill P --decode D` instead replays a measured
 `pdserve bench` run (its arrivals and lengths) through the simulator and prints the
-simulator's error on p90 TTFT, p90 TPOT and goodput.
+simulator's error on p90 TTFT, p90 TPOT and goodput; with `--level LOGS` (the validated
+deployment's step logs) each run is simulated at the host's level while it ran.
 """
 
 from __future__ import annotations
@@ -41,13 +42,18 @@ def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_
 
 
 def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_tpot: float,
-             resamples: int = 1000, replays: int = REPLAYS) -> list[dict]:
+             resamples: int = 1000, replays: int = REPLAYS, level_steps: list | None = None) -> list[dict]:
     """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests,
     with a 95% bootstrap interval on each p90's relative error (the requests resampled, each
     drawn set compared measured against simulated: how far the error can be trusted). Where
     the profile's steps are noisy (deploy/step_fit.fit_noise) the run is simulated `replays`
     times, one noise seed each, and the simulated figures pool them: one replay's p90 near
-    capacity moves by tens of percent from seed to seed, as a measured run's would."""
+    capacity moves by tens of percent from seed to seed, as a measured run's would.
+
+    With `level_steps` (the validated deployment's step log, deploy/step_fit.read_steps) each
+    run is simulated at the host's level while it ran (step_fit.levels over its span): the
+    one number per kind of worker that the online planner corrects from the workers' step
+    times too. Every other term stays as the profile has it."""
     if "deployments" in bench:
         raise ValueError(f"a comparison file: validate one of its deployments ({', '.join(bench['deployments'])}) "
                          "with --deployment NAME")
@@ -56,7 +62,10 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
         requests, tpots, done = _requests_of(run)
         if not done:
             continue
-        replayed = replay(profile, pools, requests, replays)
+        at_level, level = profile, {}
+        if level_steps is not None:
+            at_level, level = _at_level(profile, run, level_steps)
+        replayed = replay(at_level, pools, requests, replays)
         sim = summarize(pooled(replayed), slo_ttft, slo_tpot)
         each = list(zip(*replayed))  # per request: its simulated copies
         measured_ttft = _p90([r["ttft_s"] for r in done])
@@ -70,8 +79,26 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
                      "measured_tpot_p90": measured_tpot, "sim_tpot_p90": sim["tpot_p90"],
                      "tpot_p90_error_ci": p90_error_interval(pairs_tpot, resamples),
                      "measured_attainment": _attainment(run, slo_ttft, slo_tpot),
-                     "sim_attainment": sim["attainment"]})
+                     "sim_attainment": sim["attainment"], "level": level})
     return rows
+
+
+def _at_level(profile: Profile, run: dict, steps: list) -> tuple[Profile, dict[str, float]]:
+    """The profile with each kind's scale measured on the steps logged during `run`."""
+    from deploy.step_fit import levels
+
+    if not profile.loop_terms:
+        raise ValueError("a level needs a profile with step terms (fit them with --steps first)")
+    if run.get("started_at") is None:
+        raise ValueError(f"the run at rate {run.get('rate')} has no start time (a bench file from an older "
+                         "pdserve bench): its steps cannot be told apart from the other runs'")
+    level = levels(profile.step_coef, profile.loop_terms, steps, run["started_at"],
+                   run["started_at"] + run["duration_s"])
+    if not level:
+        raise ValueError(f"no logged steps during the run at rate {run.get('rate')}: the log folder is "
+                         "another deployment's, or its workers ran without PDSERVE_STEP_LOG=1")
+    terms = {kind: [level.get(kind, t[0]), *t[1:]] for kind, t in profile.loop_terms.items()}
+    return dataclasses.replace(profile, loop_terms=terms), level
 
 
 def p90_error_interval(pairs: list[tuple[float, float | list[float]]], resamples: int = 1000,
@@ -225,6 +252,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", action="append", type=Path,
                    help="a deployment's log folder, its workers run with PDSERVE_STEP_LOG=1 (repeatable: one "
                         "aggregated, one disaggregated): fit what its steps cost from their step logs first")
+    p.add_argument("--level", type=Path,
+                   help="with --validate: the validated deployment's log folder (PDSERVE_STEP_LOG=1): simulate "
+                        "each run at the host's level while it ran, measured on its own steps")
     p.add_argument("--save-profile", help="with --calibrate or --steps: write the calibrated profile here (for tune)")
     p.add_argument("--json", help="write the table as JSON here")
     p.set_defaults(run=run_tune)
@@ -282,8 +312,14 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
         print(f"calibrated on the runs: +{profile.ttft_overhead_s * 1e3:.0f} ms per first token{steps}")
         if args.save_profile:
             profile.save(args.save_profile)
+    level_steps = None
+    if args.level:
+        from deploy.step_fit import read_steps
+        from deploy.trace import log_files
+
+        level_steps = list(read_steps(log_files([args.level])))
     try:
-        rows = validate(profile, pools, bench, args.slo_ttft, args.slo_tpot)
+        rows = validate(profile, pools, bench, args.slo_ttft, args.slo_tpot, level_steps=level_steps)
     except ValueError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
@@ -294,7 +330,8 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
               f"{_err(r['sim_ttft_p90'], r['measured_ttft_p90']):>6} {_interval(r['ttft_p90_error_ci']):>15} "
               f"{r['measured_tpot_p90']:13.3f} {r['sim_tpot_p90']:7.3f} "
               f"{_err(r['sim_tpot_p90'], r['measured_tpot_p90']):>6} {_interval(r['tpot_p90_error_ci']):>15} "
-              f"{r['measured_attainment']:11.2f} {r['sim_attainment']:5.2f}")
+              f"{r['measured_attainment']:11.2f} {r['sim_attainment']:5.2f}"
+              + "".join(f"  {kind} level {v:.2f}" for kind, v in r["level"].items()))
     few = [r for r in rows if r["requests"] < 300]
     if few:
         print(f"note: {len(few)} run(s) with fewer than 300 requests: their p90 rests on a handful of requests "

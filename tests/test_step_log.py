@@ -6,6 +6,7 @@ cores and draws the noise as fitted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import random
@@ -17,8 +18,9 @@ from deploy.profile import Profile
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, simulate
 from deploy.step_cost import KNOTS, price
-from deploy.step_fit import (SATURATED_ROWS, LoggedStep, LoopTerms, OthersBusy, TokenRate, fit, fit_noise, iterations,
-                             read_steps)
+from deploy.step_fit import (LEVEL_WINDOW_S, SATURATED_ROWS, LoggedStep, LoopTerms, OthersBusy, TokenRate, fit,
+                             fit_noise, iterations, levels, read_steps)
+from deploy.tune import validate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint
@@ -148,6 +150,57 @@ def test_the_per_row_cost_stops_at_saturation_and_the_loop_is_fitted_on_its_meas
     price_of = price(coef, StepShape((200,) * 8, (), 8))
     assert terms.engine_s(price_of, 40) == terms.engine_s(price_of, SATURATED_ROWS)  # the same price, more rows
     assert terms.engine_s(price_of, SATURATED_ROWS) > terms.engine_s(price_of, 1)
+
+
+def test_the_hosts_drift_between_minutes_is_a_level_not_a_contention_term():
+    """Three minutes whose steps run at 1.0x, 1.2x and 1.4x their price while the streamed
+    token rate rises with them (batches of 1-2, then 4-5, then 8-9 rows), and no step costs
+    more for the tokens streamed beside it within a minute: the drift is the host's, so the
+    fit gives no token-rate term (a fit with one level for the log would read the drift as
+    one) and a scale between the minutes' levels."""
+    coef, steps, t = _coef(), [], 0.0
+    while t < 3 * LEVEL_WINDOW_S:
+        minute = int(t // LEVEL_WINDOW_S)
+        batch = (1, 4, 8)[minute] + int(t // 5) % 2  # within a minute the rate moves too
+        shape = StepShape(tuple(100 for _ in range(batch)), (), batch)
+        engine = price(coef, shape) * (1.0, 1.2, 1.4)[minute]
+        steps.append(LoggedStep(t, "decode d0", shape, engine, engine, 0.0))
+        t += engine
+    rate = TokenRate(steps)
+    assert rate.at(2.5 * LEVEL_WINDOW_S) > 2.5 * rate.at(0.5 * LEVEL_WINDOW_S)
+    terms = fit(coef, steps)["aggregated"]
+    assert terms.per_token_rate == pytest.approx(0.0, abs=1e-5)
+    assert 1.05 < terms.scale < 1.35
+    spans = [levels(coef, {"aggregated": terms.as_list()}, steps, m * LEVEL_WINDOW_S, (m + 1) * LEVEL_WINDOW_S)
+             for m in range(3)]  # each minute's own level, given the fitted terms
+    assert [s["aggregated"] for s in spans] == pytest.approx([1.0, 1.2, 1.4], rel=1e-3)
+
+
+def test_validation_at_the_level_a_run_was_measured_at_reproduces_it():
+    """A run measured on a host 1.3x slower than the profile's terms: validated at the profile's
+    level its p90s are off; at the level its own step log shows, they come back exactly."""
+    p = Profile("m", "float32", 1, 16, 512, 1 << 16, step_coef=_coef())
+    p.loop_terms = {"aggregated": LoopTerms(1.0, 0.001, 0.0002).as_list()}
+    slower = dataclasses.replace(p, loop_terms={"aggregated": LoopTerms(1.3, 0.001, 0.0002).as_list()})
+    measured = simulate(slower, Pools(0, 1), [(0.2 * i, 64 + 8 * (i % 5), 20) for i in range(60)])
+    start = 1_000_000.0  # wall clock of the run's time zero
+    run = {"rate": 5.0, "started_at": start, "duration_s": max(r.finish for r in measured), "requests": [
+        {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
+         "tpot_s": r.tpot, "status": "ok"} for r in measured]}
+    log = [LoggedStep(start + 0.05 * i, "decode d0", StepShape((100,) * b, (), b), 1.3 * price(_coef(), shape),
+                      1.3 * price(_coef(), shape), 0.0)
+           for i, b in enumerate([1, 3, 6] * 40) for shape in [StepShape((100,) * b, (), b)]]
+    log.append(LoggedStep(start - 500.0, "decode d0", StepShape((100,), (), 1), 9.0, 9.0, 0.0))  # another run's
+    plain = validate(p, Pools(0, 1), {"runs": [run]}, 10.0, 1.0)[0]
+    assert plain["sim_tpot_p90"] < 0.9 * plain["measured_tpot_p90"] and plain["level"] == {}
+    leveled = validate(p, Pools(0, 1), {"runs": [run]}, 10.0, 1.0, level_steps=log)[0]
+    assert leveled["level"]["aggregated"] == pytest.approx(1.3, rel=1e-6)
+    assert leveled["sim_tpot_p90"] == pytest.approx(leveled["measured_tpot_p90"], rel=1e-6)
+    assert leveled["sim_ttft_p90"] == pytest.approx(leveled["measured_ttft_p90"], rel=1e-6)
+    with pytest.raises(ValueError, match="no start time"):
+        validate(p, Pools(0, 1), {"runs": [{**run, "started_at": None}]}, 10.0, 1.0, level_steps=log)
+    with pytest.raises(ValueError, match="no logged steps"):
+        validate(p, Pools(0, 1), {"runs": [{**run, "started_at": start + 1e4}]}, 10.0, 1.0, level_steps=log)
 
 
 def test_the_noise_fit_recovers_a_stray_that_lasts():
