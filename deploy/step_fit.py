@@ -27,7 +27,10 @@ decode worker on a 2-core VM: +1 to +5 ms over the profile from batch 5 to 56, n
 past 8; a linear term fitted on batches up to 16 put +24 ms on a step of 40). They are
 fitted by non-negative least squares on the logged engine times, each weighted by the
 inverse of its time (a step's spread grows with its length; so weighted, the fitted times
-add up to the measured ones, and 20 ms decode steps are not drowned out by 400 ms chunks). The simulator shares the cores the same way,
+add up to the measured ones, and 20 ms decode steps are not drowned out by 400 ms chunks),
+with one level of the host per LEVEL_WINDOW_S of the log so that a host drifting over
+minutes is not read as contention (`scale` is then the log's one level given the terms;
+`levels` measures it over any span, such as one bench run). The simulator shares the cores the same way,
 a step going slower while other workers step (simulator.py).
 
 What the terms leave is not only step-to-step jitter: a worker's steps stray together for

@@ -266,6 +266,9 @@ def run_tune(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve tune: {e}", file=sys.stderr)
         return 2
+    if args.level and not args.validate:
+        print("pdserve tune: --level measures the host during a validated run: give --validate too", file=sys.stderr)
+        return 2
     if args.steps:
         profile = _fit_steps(profile, args.steps)
         if profile is None:

@@ -7,9 +7,12 @@ cores and draws the noise as fitted."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,6 +27,7 @@ from deploy.tune import validate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint
+from tests.worker_procs import REPO
 from worker import step_log
 from worker.loop import EngineLoop
 
@@ -176,7 +180,7 @@ def test_the_hosts_drift_between_minutes_is_a_level_not_a_contention_term():
     assert [s["aggregated"] for s in spans] == pytest.approx([1.0, 1.2, 1.4], rel=1e-3)
 
 
-def test_validation_at_the_level_a_run_was_measured_at_reproduces_it():
+def test_validation_at_the_level_a_run_was_measured_at_reproduces_it(tmp_path):
     """A run measured on a host 1.3x slower than the profile's terms: validated at the profile's
     level its p90s are off; at the level its own step log shows, they come back exactly."""
     p = Profile("m", "float32", 1, 16, 512, 1 << 16, step_coef=_coef())
@@ -201,6 +205,24 @@ def test_validation_at_the_level_a_run_was_measured_at_reproduces_it():
         validate(p, Pools(0, 1), {"runs": [{**run, "started_at": None}]}, 10.0, 1.0, level_steps=log)
     with pytest.raises(ValueError, match="no logged steps"):
         validate(p, Pools(0, 1), {"runs": [{**run, "started_at": start + 1e4}]}, 10.0, 1.0, level_steps=log)
+
+    # The same through the CLI, the log as the workers write it.
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "decode-0.log").write_text("".join(
+        f"2026-12-05 00:00:00,000 INFO pdserve.step: " + json.dumps(
+            {"t": s.t, "proc": s.process, "decodes": list(s.shape.decode_contexts), "chunks": [], "sampled":
+             s.shape.num_sampled, "engine_s": s.engine_s, "busy_s": s.busy_s, "gap_s": s.gap_s}) + "\n" for s in log))
+    p.save(tmp_path / "p.json")
+    (tmp_path / "b.json").write_text(json.dumps({"runs": [run]}))
+    cli = [sys.executable, "-m", "deploy", "tune", "--profile", str(tmp_path / "p.json"), "--prefill", "0",
+           "--decode", "1", "--slo-ttft", "10", "--slo-tpot", "1"]
+    out = subprocess.run(cli + ["--validate", str(tmp_path / "b.json"), "--level", str(tmp_path / "logs")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "aggregated level 1.30" in out.stdout
+    out = subprocess.run(cli + ["--level", str(tmp_path / "logs")], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "give --validate too" in out.stderr
 
 
 def test_the_noise_fit_recovers_a_stray_that_lasts():
