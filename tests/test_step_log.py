@@ -191,8 +191,8 @@ def test_validation_at_the_level_a_run_was_measured_at_reproduces_it(tmp_path):
     run = {"rate": 5.0, "started_at": start, "duration_s": max(r.finish for r in measured), "requests": [
         {"arrival_s": r.arrival, "prompt_tokens": r.prompt, "output_tokens": r.output, "ttft_s": r.ttft,
          "tpot_s": r.tpot, "status": "ok"} for r in measured]}
-    log = [LoggedStep(start + 0.05 * i, "decode d0", StepShape((100,) * b, (), b), 1.3 * price(_coef(), shape),
-                      1.3 * price(_coef(), shape), 0.0)
+    log = [LoggedStep(start + 0.05 * i, "decode d0", shape, 1.3 * price(_coef(), shape), 1.3 * price(_coef(), shape),
+                      0.0)
            for i, b in enumerate([1, 3, 6] * 40) for shape in [StepShape((100,) * b, (), b)]]
     log.append(LoggedStep(start - 500.0, "decode d0", StepShape((100,), (), 1), 9.0, 9.0, 0.0))  # another run's
     plain = validate(p, Pools(0, 1), {"runs": [run]}, 10.0, 1.0)[0]
@@ -209,7 +209,7 @@ def test_validation_at_the_level_a_run_was_measured_at_reproduces_it(tmp_path):
     # The same through the CLI, the log as the workers write it.
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "decode-0.log").write_text("".join(
-        f"2026-12-05 00:00:00,000 INFO pdserve.step: " + json.dumps(
+        "2026-12-05 00:00:00,000 INFO pdserve.step: " + json.dumps(
             {"t": s.t, "proc": s.process, "decodes": list(s.shape.decode_contexts), "chunks": [], "sampled":
              s.shape.num_sampled, "engine_s": s.engine_s, "busy_s": s.busy_s, "gap_s": s.gap_s}) + "\n" for s in log))
     p.save(tmp_path / "p.json")
