@@ -37,11 +37,17 @@ from deploy.step_fit import LoopTerms
 # then B sequences decoding while a long prompt is prefilled beside them in chunks.
 # `decode_sweep`: for each mean context, as many sequences as fit decode together and finish
 # one at a time, SWEEP_STEPS steps apart: pure decode steps at every batch size down to 1.
+# `chunk_tokens`: a prompt's chunk of each size alone, then beside each `mixed_beside` batch of
+# decodes, and as the tail after `chunk_after` cached tokens: the small chunks serving runs
+# (short prompts, a long prompt's last chunk) at the same token counts as decode batches, so
+# the fit can tell a token's cost from a decode sequence's (deploy/step_cost.py).
 FULL = {"prefill": [16, 64, 128, 256, 512], "long_prompt": 2048, "decode_batch": [1, 8, 32],
         "decode_context": [128, 896], "mixed_batch": [1, 4, 16, 32, 64], "mixed_context": [48, 400, 1200],
-        "mixed_beside": [1, 8, 32], "decode_sweep": [160, 640]}
+        "mixed_beside": [1, 8, 32], "decode_sweep": [160, 640],
+        "chunk_tokens": [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384], "chunk_after": 1024}
 QUICK = {"prefill": [32, 512], "long_prompt": 1024, "decode_batch": [1, 8], "decode_context": [128, 512],
-         "mixed_batch": [1, 8], "mixed_context": [48, 400], "mixed_beside": [4], "decode_sweep": [160]}
+         "mixed_batch": [1, 8], "mixed_context": [48, 400], "mixed_beside": [4], "decode_sweep": [160],
+         "chunk_tokens": [16, 64], "chunk_after": 512}
 SWEEP_STEPS = 3
 MAX_SEQS = 64  # the profiled engine's max_num_seqs (the serving default)
 
@@ -261,15 +267,23 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
     points: list[tuple[StepShape, float]] = []
     ids = iter(range(10**9))
 
-    def run_all(requests: list[tuple[list[int], int]]) -> None:
+    def add(requests: list[tuple[list[int], int]]) -> None:
         for p, n in requests:
             engine.add_request(f"steps-{next(ids)}", p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+
+    def step() -> StepShape:
+        t0 = time.perf_counter()
+        out = engine.schedule()
+        engine.execute(out)
+        shape = StepShape.of(out)
+        if not out.is_empty:
+            points.append((shape, time.perf_counter() - t0))
+        return shape
+
+    def run_all(requests: list[tuple[list[int], int]]) -> None:
+        add(requests)
         while engine.has_unfinished():
-            t0 = time.perf_counter()
-            out = engine.schedule()
-            engine.execute(out)
-            if not out.is_empty:
-                points.append((StepShape.of(out), time.perf_counter() - t0))
+            step()
 
     room = int(0.8 * profile.kv_tokens)
     for batch in grid["mixed_batch"]:
@@ -284,6 +298,22 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
         if batch * 300 + long <= room:
             run_all([(prompt(200), 24 + long // profile.max_num_batched_tokens) for _ in range(batch)]
                     + [(prompt(long), 2)])
+    sizes = grid.get("chunk_tokens", [])
+    if sizes:
+        say(f"prompt chunks of {sizes[0]}-{sizes[-1]} tokens alone, beside decodes, after {grid['chunk_after']} cached")
+    for n in sizes:
+        run_all([(prompt(n), 1)])
+        run_all([(prompt(grid["chunk_after"] + n), 1)])  # chunks of the budget, then the n-token tail
+    for batch in grid["mixed_beside"] if sizes else []:  # each size's chunk beside `batch` decodes
+        if batch * 300 <= room:
+            add([(prompt(200), 2 * len(sizes) + math.ceil(batch * 200 / profile.max_num_batched_tokens) + 4)
+                 for _ in range(batch)])
+            while engine.has_unfinished() and step().prefill_chunks:  # until all of them decode
+                pass
+            for n in sizes:
+                add([(prompt(n), 1)])
+                step()
+            run_all([])
     model = StepCost.fit(points)
     profile.step_coef = model.coef
     profile.step_error = [model.held_out_error, model.held_out_p90_error]

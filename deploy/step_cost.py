@@ -3,10 +3,16 @@
 A step's time is mostly the linears (a function of the tokens it runs, M: bound by the
 weights' bandwidth at small M, by compute at large M, with a bend between that no single
 line fits), plus attention (decodes read their whole contexts; a prefill chunk of n new
-tokens after s cached ones does ~n * (s + n/2) query-key work) and the LM head on the rows
-that sample. So the model is
+tokens after s cached ones does ~n * (s + n/2) query-key work), each sequence's own work
+(a decode row is one sequence: its attention call and block table; a chunk is one for all its
+tokens) and the LM head on the rows that sample. So the model is
 
     step(shape) = f(M) + a * sum(decode contexts) + b * sum(n * (s + n/2)) + c * chunks + d * sampled rows
+                  + e * decode rows
+
+Without the last term a decode batch of B prices f(B) with its B sequences' own work in it,
+and a prompt's chunk of B tokens inherits that price: served chunks of 32-127 tokens ran
+~20% under it (bench/RESULTS.md).
 
 with f piecewise linear in M between knots (hat functions, extrapolated past the last
 one), all coefficients non-negative, fitted by least squares on relative error (a 5 ms
@@ -26,7 +32,7 @@ from dataclasses import dataclass, field
 # faster than batch 6 or 7), and decodes spend most of a deployment's time there.
 KNOTS = (*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64, 96, 128, 192, 256, 384, 512)
 LEGACY_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # what profiles made before the dense knots fitted
-TERMS = ["decode_context", "prefill_attention", "prefill_chunks", "sampled_rows"]
+TERMS = ["decode_context", "prefill_attention", "prefill_chunks", "sampled_rows", "decode_rows"]
 NAMES = [f"linears@{k}" for k in KNOTS] + TERMS
 
 
@@ -48,17 +54,19 @@ def features(shape, knots: tuple[int, ...] = KNOTS) -> list[float]:
     """The model's inputs for a StepShape (deploy.sim_worker)."""
     chunks = shape.prefill_chunks
     return [*_hats(shape.num_tokens, knots), float(sum(shape.decode_contexts)),
-            float(sum(n * (s + n / 2) for s, n in chunks)), float(len(chunks)), float(shape.num_sampled)]
+            float(sum(n * (s + n / 2) for s, n in chunks)), float(len(chunks)), float(shape.num_sampled),
+            float(len(shape.decode_contexts))]
 
 
 def knots_of(coef: list[float]) -> tuple[int, ...]:
     """The knots a coefficient list was fitted with (a profile older than the dense knots
     has the legacy ones)."""
-    return LEGACY_KNOTS if len(coef) == len(LEGACY_KNOTS) + len(TERMS) else KNOTS
+    return LEGACY_KNOTS if len(coef) < len(KNOTS) else KNOTS
 
 
 def price(coef: list[float], shape) -> float:
-    """A StepShape's seconds under coefficients in NAMES order (or the legacy knots')."""
+    """A StepShape's seconds under coefficients in NAMES order (or the legacy knots'). A
+    profile made before a term was added has fewer coefficients: the terms it lacks are 0."""
     return sum(c * f for c, f in zip(coef, features(shape, knots_of(coef))))
 
 

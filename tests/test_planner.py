@@ -16,7 +16,7 @@ from deploy.planner import Counters, Planner, parse_metrics, sample_lengths
 from deploy.profile import Profile, measure
 from deploy.sim_worker import StepShape
 from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
-from deploy.step_cost import NAMES, StepCost, nnls
+from deploy.step_cost import NAMES, StepCost, nnls, price
 from deploy.tune import goodput_of, p90_error_interval, splits, tune, validate
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import REPO
@@ -91,14 +91,16 @@ def test_fit_recovers_known_costs_and_keeps_coefficients_non_negative():
 
 def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
     """Steps priced by a known function of the model's own form (a bend in the linears' cost
-    at 64 tokens, attention terms) are fitted back exactly; the held-out error is ~0."""
+    at 64 tokens, attention terms, each decode sequence's own work) are fitted back exactly;
+    the held-out error is ~0."""
     rng = random.Random(0)
 
     def truth(shape: StepShape) -> float:
         m = shape.num_tokens
         linears = 0.010 + 0.00002 * m if m <= 64 else 0.01128 + 0.0002 * (m - 64)  # bandwidth, then compute
         attention = 3e-7 * sum(shape.decode_contexts) + 2e-9 * sum(n * (s + n / 2) for s, n in shape.prefill_chunks)
-        return linears + attention + 0.0004 * len(shape.prefill_chunks) + 0.00003 * shape.num_sampled
+        return (linears + attention + 0.0004 * len(shape.prefill_chunks) + 0.00003 * shape.num_sampled
+                + 0.0002 * len(shape.decode_contexts))
 
     shapes = []
     for _ in range(300):
@@ -110,6 +112,33 @@ def test_step_model_recovers_a_known_cost_and_reports_its_held_out_error():
     assert model.held_out_error < 0.01 and model.points == len(shapes)
     for s in shapes[:50]:
         assert model.seconds(s) == pytest.approx(truth(s), rel=0.02)
+
+
+def test_a_decode_sequence_costs_apart_from_its_token():
+    """A decode batch of B and a prompt's chunk of B tokens run the same linears, but each
+    decode is a sequence of its own (its attention call, its block table). Fitted on decode
+    batches and chunks alone at the same token counts (as `pdserve profile` measures them),
+    the model prices a small chunk at its own cost, not at the decode batch's; a profile made
+    before the decode-row term (one coefficient fewer) prices as it did."""
+    def truth(shape: StepShape) -> float:
+        return (0.010 + 0.0004 * shape.num_tokens + 3e-7 * sum(shape.decode_contexts)
+                + 0.0003 * len(shape.decode_contexts) + 0.0005 * len(shape.prefill_chunks) + 0.0001 * shape.num_sampled)
+
+    rng = random.Random(2)
+    sizes = (8, 16, 24, 32, 48, 64, 96, 128)
+    shapes = [StepShape(tuple(rng.randrange(50, 900) for _ in range(b)), (), b) for b in range(1, 33) for _ in range(3)]
+    shapes += [StepShape((), ((0, n),), 1) for n in sizes]  # a prompt's last chunk samples,
+    shapes += [StepShape((), ((0, n),), 0) for n in sizes]  # the ones before it do not
+    shapes += [StepShape(tuple(rng.randrange(50, 900) for _ in range(b)), ((0, n),), b + 1) for b in (1, 8) for n in sizes]
+    model = StepCost.fit([(s, truth(s)) for s in shapes], held_out=0.0)
+    assert model.coef[NAMES.index("decode_rows")] == pytest.approx(0.0003, rel=0.05)
+    for n in (16, 32, 64):
+        chunk, batch = StepShape((), ((0, n),), 1), StepShape((400,) * n, (), n)
+        assert model.seconds(chunk) == pytest.approx(truth(chunk), rel=0.01)
+        assert model.seconds(batch) == pytest.approx(truth(batch), rel=0.01)
+    older = model.coef[:-1]  # the same fit as a profile without the term keeps it
+    batch = StepShape((400,) * 8, ((0, 32),), 9)
+    assert price(older, batch) == pytest.approx(model.seconds(batch) - 8 * model.coef[-1])
 
 
 def test_a_knot_without_points_is_interpolated_between_its_fitted_neighbours():
@@ -135,7 +164,8 @@ def test_nnls_matches_the_constrained_optimum():
 def test_profile_measures_a_real_engine(tmp_path):
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa")
     grid = {"prefill": [16, 64], "long_prompt": 160, "decode_batch": [1, 4], "decode_context": [16, 48],
-            "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3], "decode_sweep": [24]}
+            "mixed_batch": [1, 6], "mixed_context": [20, 90], "mixed_beside": [3], "decode_sweep": [24],
+            "chunk_tokens": [8, 24], "chunk_after": 64}
     said = []
     p = measure(str(folder), "float32", 1, grid, kv_memory_gib=0.05, max_num_batched_tokens=64, say=said.append,
                 siblings=1)  # a busy worker process beside it, started first and stopped after
@@ -151,6 +181,11 @@ def test_profile_measures_a_real_engine(tmp_path):
     # The sweep: pure decode steps at every batch size from its largest down to one.
     batches = {len(decodes) for decodes, chunks, *_ in p.step_points if decodes and not chunks}
     assert set(range(1, max(batches) + 1)) <= batches and max(batches) >= 16 and any("sweep" in m for m in said)
+    # Small chunks: alone, as the tail after 64 cached tokens, and beside the 3 decodes (the
+    # tiny vocabulary's prompts can share a cached first block: a chunk ends at the prompt's end).
+    ends = [(len(decodes), [s + n for s, n in chunks]) for decodes, chunks, *_ in p.step_points]
+    for n in (8, 24):
+        assert (0, [n]) in ends and (0, [64 + n]) in ends and (3, [n]) in ends
     assert p.step_s(StepShape((40, 50), ((0, 30),), 2)) > 0
     p.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == p
