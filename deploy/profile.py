@@ -301,11 +301,10 @@ def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
     sizes = grid.get("chunk_tokens", [])
     if sizes:
         say(f"prompt chunks of {sizes[0]}-{sizes[-1]} tokens alone, beside decodes, after {grid['chunk_after']} cached")
-    for n in sizes:
-        run_all([(prompt(n), 1)])
-        run_all([(prompt(grid["chunk_after"] + n), 1)])  # chunks of the budget, then the n-token tail
-    for batch in grid["mixed_beside"] if sizes else []:  # each size's chunk beside `batch` decodes
-        if batch * 300 <= room:
+        for n in sizes:
+            run_all([(prompt(n), 1)])
+            run_all([(prompt(grid["chunk_after"] + n), 1)])  # chunks of the budget, then the n-token tail
+        for batch in (b for b in grid["mixed_beside"] if b * 300 <= room):  # each size beside `batch` decodes
             add([(prompt(200), 2 * len(sizes) + math.ceil(batch * 200 / profile.max_num_batched_tokens) + 4)
                  for _ in range(batch)])
             while engine.has_unfinished() and step().prefill_chunks:  # until all of them decode
