@@ -28,6 +28,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.worker = worker
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        calls = self.worker.calls
+        calls.opened()  # until the call ends, however it ends: a drain waits for it
+        if not context.add_callback(calls.closed):
+            calls.closed()
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids))
         try:

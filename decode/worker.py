@@ -28,6 +28,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import finish_to_pb, logprobs_to_pb
 from transfer import TransferAgent
 from worker import metrics as worker_metrics
+from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
 
@@ -131,6 +132,13 @@ class DecodeWorker(EngineLoop):
 
     def holds_work(self) -> bool:
         return bool(self.streams)  # its remote prefills' late writes die with this process
+
+    def holdings(self) -> Holdings:
+        """Its streams, its remote prefills (a cancelled one too, until its prefill worker
+        confirms the abort) and blocks set aside for an unconfirmed abort: a drain waits for
+        all of them, so no prefill worker writes into a stopped worker's pool."""
+        awaiting = len(self.remote) if self.remote is not None else 0
+        return Holdings(self.calls.open, len(self.streams), awaiting, self.engine.num_held())
 
     # -- the loop's hooks ----------------------------------------------------------------
 

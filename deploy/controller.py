@@ -17,8 +17,8 @@ several bundles of one group), starts the gateway, and every health round:
   its loopback-only admin socket), which routes to them only.
 
 `scale` adds workers (ready before they join) and removes the newest ones after draining
-them: out of the membership first, then stopped once their queues are empty or
-`drain_timeout_s` passed.
+them: out of the membership first, then stopped once each confirms it holds nothing
+(deploy/drain.py), is wedged, or `drain_timeout_s` passed.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy import metrics
 from deploy.config import DeployConfig, PoolConfig
+from deploy.drain import DrainEnd, drain, holdings_of
 from deploy.health import Action, judge_health, judge_report
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
 from deploy.planner_loop import PlannerLoop
@@ -45,12 +46,12 @@ from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from transfer.handshake import agent_name
+from worker.holdings import Holdings, loop_wait_s, shutdown_bound_s
 
 log = logging.getLogger(__name__)
 
 NAME, NAMESPACE = "pdserve-controller", "pdserve"
 PLACEMENT_TIMEOUT_S = 60.0  # a bundle the cluster cannot place in this time is an error
-DRAIN_SETTLE_S = 1.0  # idle this long before a drained worker stops: a network bound on a request routed to it just before
 
 
 class Controller:
@@ -144,6 +145,11 @@ class Controller:
         return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.planner.last_plan,
                 "pools": {role: [s.public() for s in slots] for role, slots in pools.items()}}
 
+    def shutdown_bound_s(self) -> float:
+        """How long `shutdown` may take: its threads, the gateway, then the workers' own bounds."""
+        slots = [s for pool in self.pools.values() for s in pool]
+        return 30 + 15 + max((self._stop_bound_s(s) for s in slots), default=0.0) + 30
+
     def events_since(self, index: int) -> list[str]:
         return self.events[index:]
 
@@ -159,7 +165,8 @@ class Controller:
                 ray.kill(self.gateway, no_restart=True)
                 self.gateway = None
             slots = [s for pool in self.pools.values() for s in pool]
-            _quietly(lambda: ray.get([s.host.stop.remote() for s in slots], timeout=30))
+            bound = max((self._stop_bound_s(s) for s in slots), default=0.0)
+            _quietly(lambda: ray.get([s.host.stop.remote(self._stop_bound_s(s)) for s in slots], timeout=bound + 30))
             for s in slots:
                 self._remove(s)
             self.pools = {"prefill": [], "decode": []}
@@ -196,39 +203,52 @@ class Controller:
         self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
 
     def _drain(self, slot: Slot) -> None:
-        """Out of the gateway's membership, then stopped once idle for DRAIN_SETTLE_S (a
-        request routed just before the membership changed arrives within it). A slow worker is given the
-        time its requests take; only a wedged one (no progress within its own stall bound) or
-        the user's bound `drain_timeout_s` cuts the drain short."""
-        self._event(f"{slot.role} worker {slot.worker_id}: draining")
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        checked = time.monotonic()
-        idle_since: float | None = None
-        while True:
-            stats = self._stats(slot)
-            if stats is None:
-                break
-            if stats.running_requests == 0 and stats.waiting_requests == 0:
-                idle_since = idle_since if idle_since is not None else time.monotonic()
-                if time.monotonic() - idle_since >= DRAIN_SETTLE_S:
-                    break
-            else:
-                idle_since = None
-            if time.monotonic() >= deadline:
-                self._event(f"{slot.role} worker {slot.worker_id}: still busy at the drain bound "
-                            f"({self.config.drain_timeout_s:g}s); stopping it")
-                break
-            if time.monotonic() - checked >= self.config.health_interval_s:
-                checked = time.monotonic()
-                if not self._healthy(slot):
-                    self._event(f"{slot.role} worker {slot.worker_id}: wedged while draining; stopping it")
-                    break
-            time.sleep(0.2)
-        _quietly(lambda: ray.get(slot.host.stop.remote(), timeout=30))
+        """Out of the gateway's membership already; stopped once it confirms it holds
+        nothing (deploy/drain.py). A slow worker is given the time its requests take; only
+        a wedged one, a dead one or the user's bound `drain_timeout_s` cuts the drain short."""
+        who = f"{slot.role} worker {slot.worker_id}"
+        self._event(f"{who}: draining")
+        drained = drain(lambda: self._ask_drain(slot), lambda: self._process_alive(slot), lambda: self._healthy(slot),
+                        bound_s=self.config.drain_timeout_s, health_interval_s=self.config.health_interval_s,
+                        unhealthy_after=self.config.unhealthy_after, say=lambda line: log.info("%s: %s", who, line))
+        if drained.end is DrainEnd.BOUND:
+            self._event(f"{who}: still busy at the drain bound ({self.config.drain_timeout_s:g}s: "
+                        f"{drained.last.describe() if drained.last else 'no answer'}); stopping it")
+        elif drained.end is DrainEnd.WEDGED:
+            self._event(f"{who}: wedged while draining; stopping it")
+        elif drained.end is DrainEnd.GONE:
+            self._event(f"{who}: its process ended while draining")
+        metrics.DRAINS.labels(slot.role, drained.end.value).inc()
+        metrics.DRAIN_SECONDS.labels(slot.role).observe(drained.seconds)
+        bound = self._stop_bound_s(slot)
+        _quietly(lambda: ray.get(slot.host.stop.remote(bound), timeout=bound + 30))
         self._remove(slot)
         with self.lock:
             self.draining = [s for s in self.draining if s is not slot]
-        self._event(f"{slot.role} worker {slot.worker_id}: removed")
+        self._event(f"{who}: removed ({drained.end.value} after {drained.seconds:.1f}s of draining)")
+
+    def _ask_drain(self, slot: Slot) -> Holdings | None:
+        """The Drain RPC: what the worker holds (it takes nothing new from the first call on);
+        None when it did not answer. The worker answers from its loop, within one step."""
+        try:
+            answer = self._stub(slot).Drain(pb.DrainRequest(), timeout=loop_wait_s(slot.stall_bound_s)
+                                            + self.config.health_timeout_s)
+        except grpc.RpcError as e:
+            log.info("%s worker %s: Drain got no answer (%s)", slot.role, slot.worker_id, e.code().name)
+            return None
+        slot.stall_bound_s = answer.stall_bound_s
+        return holdings_of(answer)
+
+    def _process_alive(self, slot: Slot) -> bool:
+        try:
+            return ray.get(slot.host.info.remote(), timeout=10).alive
+        except Exception:  # the host actor itself is gone
+            return False
+
+    def _stop_bound_s(self, slot: Slot) -> float:
+        """How long the worker's host waits after SIGTERM before SIGKILL: the bound the worker's
+        own shutdown is derived from (its stall bound, from its measured steps)."""
+        return shutdown_bound_s(slot.stall_bound_s)
 
     def _remove(self, slot: Slot) -> None:
         _quietly(lambda: ray.kill(slot.host, no_restart=True))
@@ -309,6 +329,7 @@ class Controller:
             self._event(f"{slot.role} worker {slot.worker_id}: deep health got no answer "
                         f"({e.code().name}, {self.config.health_timeout_s:g}s deadline)")
             return False
+        slot.stall_bound_s = h.stall_bound_s
         if not h.ok:
             self._event(f"{slot.role} worker {slot.worker_id}: deep health: {h.detail} "
                         f"[last step {h.last_step_age_s:.1f}s ago, queued {h.queued}, "

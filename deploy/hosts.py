@@ -52,8 +52,8 @@ class HostedProcess:
             return "(no log)"
 
     def stop(self, timeout_s: float = 15.0) -> int:
-        """SIGTERM, and SIGKILL if it has not ended within `timeout_s` (a worker's own
-        shutdown takes at most worker/process.py's SHUTDOWN_FINISH_S + SHUTDOWN_FAIL_S)."""
+        """SIGTERM, and SIGKILL if it has not ended within `timeout_s` (for a worker, the
+        bound its own shutdown is derived from: worker/holdings.py `shutdown_bound_s`)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -103,8 +103,9 @@ class WorkerHost:
         return HostReport(self.address, self.process.alive(), self.process.proc.pid, os.getpid(), self.incarnation,
                           ray.get_runtime_context().get_node_id(), str(self.process.log_path))
 
-    def stop(self) -> int:
-        return self.process.stop()
+    def stop(self, timeout_s: float) -> int:
+        """SIGTERM; SIGKILL past `timeout_s`, the worker's shutdown bound (the controller's)."""
+        return self.process.stop(timeout_s)
 
 
 @ray.remote(max_restarts=-1, max_concurrency=4)

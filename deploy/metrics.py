@@ -8,7 +8,7 @@ role="controller"). A scrape shows them as of the last push: one health round ol
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -24,6 +24,11 @@ PLANNER_DECISIONS = Counter("pdserve_planner_decisions",
 POOL_TARGET = Gauge("pdserve_pool_target_workers",
                     "Workers per pool the last scale asked for (the planner's, `pdserve scale`'s or the config's)",
                     ["pool"], registry=REGISTRY)
+DRAINS = Counter("pdserve_drains", "Workers drained out of a pool, by how the drain ended: empty (the worker "
+                 "confirmed it holds nothing), gone (its process ended), wedged, bound (drain_timeout_s)",
+                 ["pool", "end"], registry=REGISTRY)
+DRAIN_SECONDS = Histogram("pdserve_drain_seconds", "From a worker's removal from the membership to its drain's end",
+                          ["pool"], registry=REGISTRY, buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
 
 STATES = ("starting", "ready", "restarting", "draining")
 for _pool in ("prefill", "decode"):  # every series present from the first push, at 0
@@ -31,6 +36,8 @@ for _pool in ("prefill", "decode"):  # every series present from the first push,
         POOL_WORKERS.labels(_pool, _state)
     for _verdict in ("ok", "unhealthy", "restart", "host_lost", "adopted"):
         HEALTH_VERDICTS.labels(_pool, _verdict)
+    for _end in ("empty", "gone", "wedged", "bound"):
+        DRAINS.labels(_pool, _end)
 for _decision in ("hold", "scale"):
     PLANNER_DECISIONS.labels(_decision)
 

@@ -191,7 +191,8 @@ def _run(ray, config: DeployConfig, stop: threading.Event) -> int:
         code = 1
     _say("stopping")
     try:
-        ray.get(controller.shutdown.remote(), timeout=90)
+        bound = ray.get(controller.shutdown_bound_s.remote(), timeout=30)
+        ray.get(controller.shutdown.remote(), timeout=bound)
     except Exception as e:
         _say(f"clean-up incomplete: {e}")
         code = code or 1

@@ -45,6 +45,7 @@ class Slot:
     node_id: str = ""
     failures: int = 0  # deep-health failures in a row
     restarts: int = 0
+    stall_bound_s: float = 0.0  # its liveness bound, as its last Health or Drain answer said
     report: HostReport | None = field(default=None, repr=False)
 
     def public(self) -> dict:

@@ -267,6 +267,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_unfinished(self) -> int:
+        """Requests not finished: waiting, running, or awaiting remote KV."""
+        return len(self.scheduler.requests)
+
+    def num_held(self) -> int:
+        """Finished or aborted requests whose blocks wait for release() (a writer's confirmation)."""
+        return len(self.scheduler.held)
+
     def step(self) -> list[RequestOutput]:
         """Schedule and execute one iteration; a delta (new tokens) per request that produced one."""
         return self.execute(self.schedule()).outputs

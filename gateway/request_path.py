@@ -29,6 +29,7 @@ from gateway.admission import Admission, Ticket
 from gateway.backend import Backend
 from gateway.client_gone import ClientGone, unless_gone
 from gateway.errors import APIError
+from gateway import metrics
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
@@ -41,8 +42,19 @@ from rpc import pdserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+# Decode workers a request is tried on, each a different one, while none of its tokens has
+# reached the client: a worker that is draining, shutting down or dead costs a retry, not the request.
+MAX_DECODE_ATTEMPTS = 3
+
+
 class WorkerUnavailable(APIError):
-    """The decode worker failed before sending anything: the request may go to another."""
+    """The decode worker failed before the request's first token: it may go to another.
+    `down`: the worker itself did not answer (no stream, or one that broke), so routing
+    avoids it until its next health round; else it answered with an error of the request's."""
+
+    def __init__(self, status: int, message: str, down: bool = True):
+        super().__init__(status, message)
+        self.down = down
 
 
 class Claims:
@@ -160,21 +172,17 @@ class RequestPath:
         calls: list = []
         try:
             try:
-                calls.append(await unless_gone(request.receive, self._start(req, claims, endpoint)))
+                calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint))
             except APIError as e:  # the decode worker's compile refused the schema: name the parameter
                 if e.status == 400 and ": grammar: " in e.message:
                     e.param = "tools" if tools is not None and tools.grammar is not None else "response_format"
                 raise
-            if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
-                calls += await unless_gone(request.receive, self._siblings(req, n, claims.worker.address))
         except ClientGone:  # before its first token: queueing and prefill stop at once
             REQUESTS.labels(endpoint, "cancelled").inc()
             trace.event(rid, "cancelled", before="first_token")
             return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
         finally:
             if len(calls) < n:
-                for call, _ in calls:
-                    call.cancel()
                 claims.release()
         ttft = time.monotonic() - started
         trace.event(rid, "first_token")
@@ -224,32 +232,41 @@ class RequestPath:
                     task.result()[0].cancel()
             raise
 
-    async def _start(self, req: pb.GenerateRequest, claims: Claims, endpoint: str):
-        """Open the Generate stream on a decode worker and wait for its first message; once
-        more on another worker if the first fails before sending anything."""
-        tried: set[str] = set()
+    async def _start(self, req: pb.GenerateRequest, n: int, claims: Claims, endpoint: str) -> list:
+        """Open the request's `n` Generate streams on one decode worker and wait for each
+        one's first message. A worker that fails before that (refuses it while draining or
+        shutting down, breaks, or ends it with an error and no token) costs a retry on
+        another, up to MAX_DECODE_ATTEMPTS workers: no token has reached the client yet."""
+        base, tried = req.request_id, []
         while True:
             try:
-                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=tried)
+                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=set(tried))
             except NoWorker:
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             claims.on(worker)
             trace.event(req.request_id, "sent", decode_worker=worker.address)
+            calls: list = []
             try:
-                return await self._open(worker.address, req)
-            except asyncio.CancelledError:  # its client left: nothing to count here
-                claims.off()
-                raise
+                calls.append(await self._open(worker.address, req))
+                if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
+                    calls += await self._siblings(req, n, worker.address)
+                return calls
             except BaseException as e:
                 claims.off()
-                if isinstance(e, WorkerUnavailable) and not tried and self.router.has_other_decode(worker):
-                    log.info("request %s: decode worker %s unavailable, retrying on another", req.request_id,
-                             worker.address)
-                    worker.healthy = False
-                    tried.add(worker.address)
-                    # a fresh id: a prefill worker may still hold the dead attempt's (and refuse a duplicate)
-                    req.request_id = f"{req.request_id}-retry"
+                for call, _ in calls:
+                    call.cancel()
+                if isinstance(e, asyncio.CancelledError):  # its client left: nothing to count here
+                    raise
+                tried.append(worker.address)
+                others = [w for w in self.router.decode if w.address not in tried]
+                if isinstance(e, WorkerUnavailable) and others and len(tried) < MAX_DECODE_ATTEMPTS:
+                    log.info("request %s: decode worker %s unavailable, retrying on another: %s", req.request_id,
+                             worker.address, e.message)
+                    worker.healthy = worker.healthy and not e.down
+                    # a fresh id: a prefill worker may still hold the failed attempt's (and refuse a duplicate)
+                    req.request_id = f"{base}-retry" if len(tried) == 1 else f"{base}-retry{len(tried)}"
+                    metrics.RETRIES.labels("before_first_token").inc()
                     continue
                 refused = isinstance(e, APIError) and not isinstance(e, WorkerUnavailable)
                 REQUESTS.labels(endpoint, str(e.status) if refused else "error").inc()  # a worker's 429 is a 429
@@ -273,6 +290,9 @@ class RequestPath:
             raise WorkerUnavailable(503, f"decode worker unavailable ({code.name})") from None
         if first is grpc.aio.EOF:
             raise WorkerUnavailable(503, "decode worker closed the stream")
+        if first.finish_reason == pb.ERROR and not first.token_ids:  # e.g. it shut down before the first token
+            call.cancel()
+            raise WorkerUnavailable(503, f"decode worker failed the request: {first.error.message}", down=False)
         return call, first
 
 

@@ -25,6 +25,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
+        self.worker.calls.opened()  # until it returns: a drain waits for it
+        try:
+            return self._prefill(request, context)
+        finally:
+            self.worker.calls.closed()
+
+    def _prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
         rid = request.request_id
         reply: Future = Future()
         try:

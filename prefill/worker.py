@@ -25,6 +25,7 @@ from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
 from worker import metrics as worker_metrics
 from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker.holdings import Holdings
 from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class PrefillWorker(EngineLoop):
 
     def holds_work(self) -> bool:
         return bool(self.requests)  # each until its push has ended or been cancelled
+
+    def holdings(self) -> Holdings:
+        return Holdings(self.calls.open, len(self.requests), held_blocks=self.engine.num_held())
 
     def fail_all(self, reason: str) -> None:
         """Steps keep failing, or the worker shuts down: abort every request (each is answered once nothing of it is

@@ -288,6 +288,11 @@ class WorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/pdserve.v1.Worker/Drain',
+                request_serializer=rpc_dot_pdserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -321,6 +326,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -343,6 +354,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=rpc_dot_pdserve__pb2.MetricsRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.MetricsResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=rpc_dot_pdserve__pb2.DrainRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -457,6 +473,33 @@ class Worker:
             '/pdserve.v1.Worker/Metrics',
             rpc_dot_pdserve__pb2.MetricsRequest.SerializeToString,
             rpc_dot_pdserve__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Drain',
+            rpc_dot_pdserve__pb2.DrainRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

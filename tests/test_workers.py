@@ -39,7 +39,6 @@ from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from tests.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
 from tests.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
-from worker.process import SHUTDOWN_FINISH_S
 
 BLOCK = 16
 BUDGET = 32  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -432,8 +431,8 @@ def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(work
 
 
 def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers, reference):
-    """SIGTERM while `term` holds a request mid-prefill, its loop frozen past the time held
-    requests get to finish: its gRPC server keeps answering until its loop has ended the
+    """SIGTERM while `term` holds a request mid-prefill, its loop frozen: its gRPC server
+    keeps answering until its loop has ended the
     request (push cancelled, reply sent) and stopped; only then does its address refuse
     connections, which D takes as proof that nothing is being written. The request
     completes on the next prefill worker, every block back."""
@@ -441,10 +440,10 @@ def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers
     prompt = _prompt(random.Random(13), 450)
     [want] = reference([prompt], 8)
     result = _generate_held_by(d, term, prompt, [term.address, p.address], "term-req")
-    with stalled(workers.stall["term"]):  # its loop holds the request past the time held requests get to finish
+    with stalled(workers.stall["term"]):  # its loop cannot end the request while frozen
         term.proc.send_signal(signal.SIGTERM)
-        _logged(term, "shutting down")
-        time.sleep(SHUTDOWN_FINISH_S + 0.5)
+        _logged(term, "requests still held at SIGTERM: ending them")
+        time.sleep(1.0)
         s = term.stats()  # the server still answers: the loop has not let go of the request yet
         assert s.running_requests + s.waiting_requests == 1, s
     assert result().tokens == want

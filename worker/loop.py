@@ -26,6 +26,7 @@ from engine import envs, trace
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.scheduler import SchedulerOutput
 from worker import metrics, step_log
+from worker.holdings import Holdings, loop_wait_s, shutdown_bound_s
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,23 @@ FAILED_ITERATIONS_BEFORE_GIVING_UP = 3
 
 class ShuttingDown(Exception):
     """The worker is shutting down: it takes no new request (nothing of this one started)."""
+
+
+class OpenCalls:
+    """The request calls a worker's gRPC threads are serving: each counts from its handler's
+    start to the call's end, so a drain sees a request before the loop has admitted it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.open = 0
+
+    def opened(self) -> None:
+        with self._lock:
+            self.open += 1
+
+    def closed(self) -> None:
+        with self._lock:
+            self.open -= 1
 
 
 class EngineLoop:
@@ -66,6 +84,7 @@ class EngineLoop:
         self._probe_lock = threading.Lock()
         self.num_probes = 0  # probes the loop ran (a flood of deep checks runs few)
         self.last_step_seconds = 0.0  # the engine's own time for the last step that ran
+        self.calls = OpenCalls()  # the role's request calls (Generate, Prefill) not ended yet
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -129,10 +148,14 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def loop_wait_s(self, floor_s: float = 10.0) -> float:
+    def loop_wait_s(self) -> float:
         """How long another thread may wait for the loop to get to its command (one step at
-        most): the stall bound, past which the loop is wedged anyway, or `floor_s` if longer."""
-        return max(floor_s, self.liveness.bound_s)
+        most): the stall bound, past which the loop is wedged anyway, or a floor if longer."""
+        return loop_wait_s(self.liveness.bound_s)
+
+    def shutdown_bound_s(self) -> float:
+        """The longest `shutdown` and the server's stop after it take, from the stall bound."""
+        return shutdown_bound_s(self.liveness.bound_s)
 
     def health(self, timeout_s: float) -> Verdict:
         """Deep health, from a gRPC thread: a worker with work is judged by its last completed
@@ -184,25 +207,36 @@ class EngineLoop:
         """Requests still held: what must end before the loop may stop (any thread)."""
         return self.engine.has_unfinished()
 
-    def shutdown(self, finish_s: float, fail_s: float) -> None:
-        """Take no new request; give those held `finish_s` to end on their own (one routed
-        here just before a drain found the worker idle), then end the rest (a prefill
-        worker's pushes run to their end or are cancelled) within `fail_s`; then stop the
-        loop. Only after this may the gRPC server stop: a caller that finds the address
-        refusing connections then knows nothing of its requests is being written."""
+    def holdings(self) -> Holdings:
+        """Everything this worker holds (on the loop thread): what a drain waits for."""
+        return Holdings(self.calls.open, self.engine.num_unfinished(), held_blocks=self.engine.num_held())
+
+    def drain(self) -> Holdings:
+        """Take no new request from now on, and say what is still held (any thread: the
+        answer comes from the loop, between two steps). Raises TimeoutError when the loop
+        does not get to it within `loop_wait_s` (wedged: its health says so too)."""
+        if not self.closing:
+            log.info("%s: draining: no new request is taken", self.name)
         self.closing = True
-        deadline = time.monotonic() + finish_s
-        while self.holds_work() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        return self.call(self.holdings, timeout=self.loop_wait_s())
+
+    def shutdown(self) -> None:
+        """SIGTERM: take no new request, end every one still held (a decode worker's streams
+        with an error their gateway retries elsewhere, a prefill worker's pushes cancelled
+        and answered once nothing is in flight), then stop the loop. Only after this may the
+        gRPC server stop: a caller that finds the address refusing connections then knows
+        nothing of its requests is being written. A drained worker holds nothing by now
+        (deploy/drain.py); every wait here is the loop's own bound (`loop_wait_s`)."""
+        self.closing = True
         if self.holds_work():
-            log.info("%s: requests still held %.0fs after SIGTERM: ending them", self.name, finish_s)
+            log.info("%s: requests still held at SIGTERM: ending them", self.name)
             self.submit(lambda: self.fail_all("worker shutting down"))
-            deadline = time.monotonic() + fail_s
+            deadline = time.monotonic() + 2 * self.loop_wait_s()  # the command runs, then what it started ends
             while self.holds_work() and time.monotonic() < deadline:
                 time.sleep(0.02)
         if self.holds_work():
-            log.warning("%s: requests still held after shutting down for %.0fs", self.name, finish_s + fail_s)
-        self.stop()
+            log.warning("%s: requests still held %.0fs after SIGTERM", self.name, 2 * self.loop_wait_s())
+        self.stop(self.loop_wait_s())
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

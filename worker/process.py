@@ -30,10 +30,6 @@ from worker.service import WorkerService
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING = 256
-# On SIGTERM: requests held get this long to finish, then this long to be ended (their pushes
-# drained), and then the server stops; within the 15 s a deployment's host gives a worker.
-SHUTDOWN_FINISH_S = 5.0
-SHUTDOWN_FAIL_S = 5.0
 CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
 
 
@@ -115,8 +111,8 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
     done.wait()
     log.info("%s: shutting down", worker.name)
-    worker.shutdown(SHUTDOWN_FINISH_S, SHUTDOWN_FAIL_S)  # the loop and its pushes first, then the server
-    server.stop(grace=1.0).wait()
+    worker.shutdown()  # the loop and its pushes first, then the server
+    server.stop(grace=worker.loop_wait_s()).wait()  # ends as soon as the last calls have their answers
     log.info("%s: stopped", worker.name)
     if worker.agent is not None:
         worker.agent.close()

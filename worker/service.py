@@ -1,5 +1,5 @@
 """The `Worker` gRPC service both roles answer the same way: TransferInfo, Health, Stats,
-Metrics.
+Metrics, Drain.
 Registered by worker/process.py next to the role's own service, on the same port."""
 
 from __future__ import annotations
@@ -44,3 +44,14 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsResponse:
         name = self.worker.name
         return pb.MetricsResponse(worker=name, role=name.split("-", 1)[0], exposition=generate_latest(REGISTRY))
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
+        """No new request from now on; what is still held, counted on the loop (worker/holdings.py)."""
+        try:
+            h = self.worker.drain()
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"{self.worker.name}: the engine loop did not answer within {self.worker.loop_wait_s():.0f}s")
+        return pb.DrainResponse(worker=self.worker.name, holds_nothing=h.empty, open_calls=h.open_calls,
+                                requests=h.requests, awaiting_kv=h.awaiting_kv, held_blocks=h.held_blocks,
+                                stall_bound_s=self.worker.liveness.bound_s)
