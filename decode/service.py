@@ -48,7 +48,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         try:
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
                                                      prefill, out, context.time_remaining(),
-                                                     request.cache_salt),
+                                                     request.cache_salt, list(request.output_token_ids)),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -74,24 +74,28 @@ class DecodeWorker(EngineLoop):
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
             prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
-            cache_salt: str = "") -> None:
-        """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer)."""
+            cache_salt: str = "", output_token_ids: list[int] = ()) -> None:
+        """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer);
+        `output_token_ids`: a replay's tokens so far (prefilled here with its prompt)."""
         if self.closing:
             raise ShuttingDown(f"request {request_id}: {self.name} is shutting down")
         if (self.remote is not None and request_id in self.remote) or self.engine.holds_blocks(request_id):
             # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
             raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
         uncached = len(prompt) - self.engine.num_cached_tokens(prompt, cache_salt)
-        remote = bool(prefill_workers) and self.remote is not None and uncached > self.local_prefill_threshold
-        self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt)
+        remote = (bool(prefill_workers) and self.remote is not None and not output_token_ids
+                  and uncached > self.local_prefill_threshold)
+        self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt,
+                                output_token_ids=output_token_ids)
         self.streams[request_id] = _Stream(out, len(prompt), params)
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget))
         metrics.PREFILLS.labels("remote" if remote else "local").inc()
         trace.event(request_id, "admitted", prefill="remote" if remote else "local", uncached_tokens=uncached)
-        log.info("request %s: admitted, %d prompt tokens (%d uncached), %s prefill", request_id, len(prompt),
-                 uncached, "remote" if remote else "local")
+        log.info("request %s: admitted, %d prompt tokens (%d uncached)%s, %s prefill", request_id, len(prompt),
+                 uncached, f", a replay after {len(output_token_ids)} output tokens" if output_token_ids else "",
+                 "remote" if remote else "local")
 
     def remote_prefill_budget_s(self, uncached_tokens: int) -> float:
         """How long a remote prefill of this many tokens may take, all attempts together,

@@ -146,8 +146,10 @@ def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[
 
 
 def _same_request(request_id: str, candidate: str) -> bool:
-    """The gateway's id, or a retry's (the gateway retries a failed decode worker as ID-retry)."""
-    return candidate == request_id or candidate.startswith(request_id + "-retry")
+    """The gateway's id, or a retry's or a replay's (the gateway retries a decode worker that
+    failed before the first token as ID-retry, and replays one that failed mid-stream as
+    ID-replayK)."""
+    return candidate == request_id or candidate.startswith((request_id + "-retry", request_id + "-replay"))
 
 
 def timelines(paths: list[Path], wanted: str) -> list[Timeline]:

@@ -147,13 +147,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False,
-                    cache_salt: str = "") -> None:
+                    cache_salt: str = "", output_token_ids: list[int] = ()) -> None:
         """Queue a request. remote_prefill: reserve blocks for KV written by a prefill worker
         (a schedule's `remote_prefills` names them); hold_blocks: keep its blocks after it
-        finishes until release() (a prefill worker pushing them). Raises RequestRejected
-        (see check_token_ids, and the scheduler's own limits)."""
-        self.check_token_ids(request_id, prompt_token_ids, params)
+        finishes until release() (a prefill worker pushing them); output_token_ids: a replay's
+        tokens produced elsewhere, which it continues from as a preempted request does from
+        its own (they count against max_tokens; penalties, seeded positions and the grammar
+        follow them). Raises RequestRejected (see check_token_ids, and the scheduler's own limits)."""
+        self.check_token_ids(request_id, [*prompt_token_ids, *output_token_ids], params)
+        if output_token_ids and (remote_prefill or len(output_token_ids) >= params.max_tokens):
+            raise RequestRejected(request_id, f"a replay of {len(output_token_ids)} output tokens needs a local "
+                                              f"prefill and max_tokens above them ({params.max_tokens})")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, cache_salt)
+        for token in output_token_ids:
+            seq.append_token(token)
         if params.grammar is not None:
             try:  # compiled already when a worker's RPC thread called compile_grammar (cached)
                 seq.matcher = self.grammars.matcher(params.grammar)

@@ -28,6 +28,7 @@ from gateway import responses
 from gateway.admission import Admission, Ticket
 from gateway.backend import Backend
 from gateway.client_gone import ClientGone, unless_gone
+from gateway.decode_stream import DecodeStream
 from gateway.errors import APIError
 from gateway import metrics
 from gateway.metrics import REQUESTS, TTFT
@@ -169,7 +170,7 @@ class RequestPath:
             trace.event(rid, "refused", status=e.status, reason=e.reason)
             raise
         trace.event(rid, "admitted")
-        calls: list = []
+        calls: list[DecodeStream] = []
         try:
             try:
                 calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint))
@@ -188,15 +189,15 @@ class RequestPath:
         trace.event(rid, "first_token")
         claims.first_token()
         TTFT.observe(ttft)
-        choices = [responses.generate_events(kind, body, rid, call, first, len(prompt), started, started + ttft,
-                                             endpoint, self.tokenizer, primary=i == 0)
-                   for i, (call, first) in enumerate(calls)]
+        choices = [responses.generate_events(kind, body, rid, call, call.first, len(prompt), started,
+                                             started + ttft, endpoint, self.tokenizer, primary=i == 0)
+                   for i, call in enumerate(calls)]
 
         async def finish() -> None:  # the end of the answer, however it came
             for events in choices:
                 await events.aclose()  # its metrics, if its reader stopped before its end
             claims.release()
-            for call, _ in calls:
+            for call in calls:
                 call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
@@ -209,12 +210,12 @@ class RequestPath:
         finally:
             await finish()
 
-    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str) -> list:
+    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str) -> list[DecodeStream]:
         """Choices 1..n-1 on the decode worker that holds the first's prompt, prefilled there
         (no prefill workers: only the prompt's last, partial block is not in its prefix
         cache); a seeded request's choice i samples with seed + i. Opened at once, their
         first messages awaited; any refusal fails the whole request."""
-        opened = []
+        opened, children = [], []
         try:
             for i in range(1, n):
                 child = pb.GenerateRequest()
@@ -223,8 +224,10 @@ class RequestPath:
                 del child.prefill_workers[:]
                 if child.params.HasField("seed"):
                     child.params.seed = (child.params.seed + i) % 2**63
+                children.append(child)
                 opened.append(asyncio.ensure_future(self._open(address, child)))
-            return list(await asyncio.gather(*opened))
+            return [DecodeStream(child, address, call, first, self._reopen)
+                    for child, (call, first) in zip(children, await asyncio.gather(*opened))]
         except BaseException:
             for task in opened:
                 task.cancel()
@@ -246,15 +249,15 @@ class RequestPath:
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             claims.on(worker)
             trace.event(req.request_id, "sent", decode_worker=worker.address)
-            calls: list = []
+            calls: list[DecodeStream] = []
             try:
-                calls.append(await self._open(worker.address, req))
+                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req), self._reopen))
                 if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
                     calls += await self._siblings(req, n, worker.address)
                 return calls
             except BaseException as e:
                 claims.off()
-                for call, _ in calls:
+                for call in calls:
                     call.cancel()
                 if isinstance(e, asyncio.CancelledError):  # its client left: nothing to count here
                     raise
@@ -271,6 +274,24 @@ class RequestPath:
                 refused = isinstance(e, APIError) and not isinstance(e, WorkerUnavailable)
                 REQUESTS.labels(endpoint, str(e.status) if refused else "error").inc()  # a worker's 429 is a 429
                 raise
+
+    async def _reopen(self, req: pb.GenerateRequest, failed: set[str]) -> tuple[str, object, pb.GenerateResponse]:
+        """A replay (gateway/decode_stream.py) on a decode worker other than `failed`, each
+        that fails before its first message costing another, up to MAX_DECODE_ATTEMPTS in
+        all; APIError when none is left. The request's routing cost stays where it was
+        counted (its claims): a replay is rare, and short of the request's whole cost."""
+        tried = set(failed)
+        for worker in self.router.decode:
+            worker.healthy = worker.healthy and worker.address not in failed  # until its next health round
+        while len(tried) < MAX_DECODE_ATTEMPTS and any(w.address not in tried for w in self.router.decode):
+            worker = self.router.pick_decode(len(req.prompt_token_ids) + len(req.output_token_ids), exclude=tried)
+            try:
+                return worker.address, *await self._open(worker.address, req)
+            except WorkerUnavailable as e:
+                log.info("request %s: replay on %s failed: %s", req.request_id, worker.address, e.message)
+                worker.healthy = worker.healthy and not e.down
+                tried.add(worker.address)
+        raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)})")
 
     async def _open(self, address: str, req: pb.GenerateRequest):
         """The Generate stream and its first message (admission errors surface here)."""

@@ -175,6 +175,12 @@ class Deployment:
             return set()
         return set(re.findall(r'^pdserve_worker_kv_blocks_total\{worker="([^"]+)"\}', text, re.MULTILINE))
 
+    def replays(self) -> float:
+        """Streams the gateway has replayed on another decode worker (pdserve_decode_retries_total)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        m = re.search(r'^pdserve_decode_retries_total\{when="mid_stream"\} (\S+)$', text, re.MULTILINE)
+        return float(m.group(1)) if m else 0.0
+
     def rss_mb(self) -> dict[str, float]:
         procs = {f"{w['role']}-{w['worker_id']}": w["pid"] for w in self.workers()}
         procs["gateway"] = self.gateway().pid

@@ -77,12 +77,19 @@ async def _streams_then_kill(ctx: Chaos, res: Result, kill: Callable[[], None], 
 
 
 async def kill_decode(ctx: Chaos) -> Result:
-    """kill -9 of a decode worker mid-stream: its streams end with an error event then
-    [DONE]; the others finish; new requests go to the other decode worker."""
+    """kill -9 of a decode worker mid-stream: the gateway replays each of its streams on the
+    other decode worker (prompt + the tokens streamed so far) and its clients read on, so
+    none fails; new requests go to the other decode worker."""
     victim = await asyncio.to_thread(ctx.dep.worker, "decode", "0")
     res = Result("kill-decode", fault=True)
-    return await _streams_then_kill(ctx, res, lambda: os.kill(victim["pid"], signal.SIGKILL),
-                                    r"decode worker 0: incarnation \d+ ready")
+    before = await asyncio.to_thread(ctx.dep.replays)
+    res = await _streams_then_kill(ctx, res, lambda: os.kill(victim["pid"], signal.SIGKILL),
+                                   r"decode worker 0: incarnation \d+ ready")
+    res.figures["replayed"] = int(await asyncio.to_thread(ctx.dep.replays) - before)
+    if res.failed_cleanly:
+        res.broken.append(f"{res.failed_cleanly} streams failed: each should have been replayed on the other worker")
+    res.notes.append(f"{res.figures['replayed']} streams replayed")
+    return res
 
 
 async def kill_gateway(ctx: Chaos) -> Result:

@@ -1,0 +1,98 @@
+"""One choice's Generate stream, which outlives the decode worker serving it.
+
+`DecodeStream` reads like the gRPC call it wraps (`read()`, `cancel()`). When the decode
+worker fails mid-stream (the call breaks or ends early, or the worker ends the request
+with an INTERNAL error: it shut down, or its steps kept failing), the stream is replayed
+on another decode worker: the same request with the tokens it already produced as
+`output_token_ids`, prefilled there. They count as output, so the replay goes on exactly
+where the first worker stopped: max_tokens, penalties, the seeded sampler's positions
+and the grammar's state all follow them (engine/llm_engine.py `add_request`). Its
+messages then follow on the same stream, nothing duplicated or missing, and the reader
+(gateway/responses.py) never sees the break. At most MAX_REPLAYS per choice; past that,
+with no other decode worker, or when the request's own deadline ran out, the reader gets
+the failure as it came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from engine import trace
+from gateway.errors import APIError
+from gateway.metrics import RETRIES
+from rpc import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_REPLAYS = 2  # per choice: a second dead worker in a row is bad luck, a third is the request
+
+# Opens a replay of the request on a decode worker other than those given: (address, call, first message).
+Reopen = Callable[[pb.GenerateRequest, set[str]], Awaitable[tuple[str, object, pb.GenerateResponse]]]
+
+
+class DecodeStream:
+    """The messages of one choice after its first (`first` is the caller's already)."""
+
+    def __init__(self, req: pb.GenerateRequest, address: str, call, first: pb.GenerateResponse, reopen: Reopen):
+        self.req, self.address, self.call, self.first, self.reopen = req, address, call, first, reopen
+        self.tokens: list[int] = list(first.token_ids)  # what the client has been sent, or will be
+        self.replays = 0
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def read(self) -> pb.GenerateResponse:
+        """The next message, from whichever worker serves the choice now."""
+        try:
+            msg = await self.call.read()
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise  # this reader is being cancelled (its client left)
+            return await self._replay_or(asyncio.CancelledError(), "its call was cancelled under it")
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise  # the request's own time is up: no replay has any left
+            return await self._replay_or(e, f"the stream broke ({e.code().name})")
+        if msg is grpc.aio.EOF:
+            return await self._replay_or(msg, "it ended the stream early")
+        if msg.finish_reason == pb.ERROR and msg.error.code == pb.INTERNAL:
+            return await self._replay_or(msg, msg.error.message)
+        self.tokens += msg.token_ids
+        return msg
+
+    async def _replay_or(self, failure, why: str):
+        """The replay's first message, or `failure` (raised or returned) when there is none."""
+        rid, failed = self.req.request_id, self.address
+        if self.replays >= MAX_REPLAYS or len(self.tokens) >= self.req.params.max_tokens:
+            log.info("request %s: decode worker %s failed mid-stream (%s); no replay left", rid, failed, why)
+            return _give(failure)
+        self.call.cancel()
+        replay = pb.GenerateRequest()
+        replay.CopyFrom(self.req)
+        self.replays += 1
+        replay.request_id = f"{self.req.request_id}-replay{self.replays}"
+        del replay.prefill_workers[:]  # prefilled where it lands: its next token is sampled there
+        replay.output_token_ids[:] = self.tokens
+        try:
+            self.address, self.call, first = await self.reopen(replay, {failed})
+        except APIError as e:
+            log.info("request %s: decode worker %s failed mid-stream (%s); no worker to replay it on: %s", rid,
+                     failed, why, e.message)
+            return _give(failure)
+        RETRIES.labels("mid_stream").inc()
+        trace.event(rid, "replayed", failed_worker=failed, decode_worker=self.address, as_id=replay.request_id,
+                    output_tokens=len(self.tokens))
+        log.info("request %s: decode worker %s failed mid-stream (%s); replayed on %s as %s after %d tokens", rid,
+                 failed, why, self.address, replay.request_id, len(self.tokens))
+        self.tokens += first.token_ids
+        return first
+
+
+def _give(failure):
+    if isinstance(failure, BaseException):
+        raise failure
+    return failure
