@@ -166,7 +166,7 @@ class DeployConfig:
     # idle one probes in milliseconds); one that gets no answer in this time fails.
     health_timeout_s: float = 10.0
     unhealthy_after: int = 3  # consecutive failed rounds (wedged or no answer) before a worker is replaced
-    # A draining worker stops once idle, or wedged; this bounds a drain that is still
+    # A draining worker stops once it holds nothing, or wedged; this bounds a drain still
     # making progress (the gateway's request timeout: no request it serves lives longer).
     drain_timeout_s: float = 600.0
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
