@@ -30,6 +30,7 @@ from worker.service import WorkerService
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_WAITING = 256
+_SIGNAL_POLL_S = 0.5
 CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
 
 
@@ -109,7 +110,11 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
         signal.signal(sig, lambda *_: done.set())
     watch_parent(done.set)  # hosted by a Ray actor: end with it
     print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
-    done.wait()
+    # Woken every half second: a signal the kernel hands to another of the process's threads
+    # (gRPC's, NIXL's) runs its Python handler only once this thread runs bytecode again, and
+    # a wait with no timeout never returns to run it (a SIGTERM then went unanswered).
+    while not done.wait(_SIGNAL_POLL_S):
+        pass
     log.info("%s: shutting down", worker.name)
     worker.shutdown()  # the loop and its pushes first, then the server
     server.stop(grace=worker.loop_wait_s()).wait()  # ends as soon as the last calls have their answers
