@@ -122,13 +122,23 @@ class DecodeWorker(EngineLoop):
     def fail_all(self, reason: str) -> None:
         """Steps keep failing, or the worker shuts down: every request ends with an INTERNAL
         error (blocks a prefill worker may be writing stay held until it confirms, as for a cancel)."""
+        self._end_all(pb.INTERNAL, reason)
+
+    def hand_off(self) -> None:
+        """Drained: every request ends here with HANDED_OFF, and its gateway replays it on
+        another decode worker from the tokens it streamed (gateway/decode_stream.py)."""
+        if self.streams:
+            log.info("%s: handing off %d requests", self.name, len(self.streams))
+        self._end_all(pb.HANDED_OFF, f"handed off: {self.name} is leaving")
+
+    def _end_all(self, code: int, message: str) -> None:
         for request_id in list(self.streams):
             self.engine.abort_request(request_id)
             if self.remote is not None:
                 self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
             self._close(request_id, pb.GenerateResponse(
-                finish_reason=pb.ERROR,
-                error=pb.Error(code=pb.INTERNAL, message=reason, request_id=request_id)))
+                finish_reason=pb.ERROR, error=pb.Error(code=code, message=message, request_id=request_id)))
+            trace.event(request_id, "ended_here", code=pb.ErrorCode.Name(code))
 
     def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (RPC thread)."""

@@ -169,6 +169,9 @@ class DeployConfig:
     # A draining worker stops once it holds nothing, or wedged; this bounds a drain still
     # making progress (the gateway's request timeout: no request it serves lives longer).
     drain_timeout_s: float = 600.0
+    # A drained decode worker hands its requests off (each replayed on another decode worker
+    # from the tokens it streamed) instead of finishing them: a drain takes a few steps.
+    drain_hand_off: bool = True
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     internal_token: str | None = None  # the gRPC shared secret; None: a random one per deployment

@@ -228,11 +228,13 @@ class Controller:
         self._event(f"{who}: removed ({drained.end.value} after {drained.seconds:.1f}s of draining)")
 
     def _ask_drain(self, slot: Slot) -> Holdings | None:
-        """The Drain RPC: what the worker holds (it takes nothing new from the first call on);
-        None when it did not answer. The worker answers from its loop, within one step."""
+        """The Drain RPC: what the worker holds (it takes nothing new from the first call on;
+        a decode worker hands its requests off, with `drain_hand_off`); None when it did not
+        answer. The worker answers from its loop, within one step."""
         try:
-            answer = self._stub(slot).Drain(pb.DrainRequest(), timeout=loop_wait_s(slot.stall_bound_s)
-                                            + self.config.health_timeout_s)
+            hand_off = slot.role == "decode" and self.config.drain_hand_off
+            answer = self._stub(slot).Drain(pb.DrainRequest(hand_off=hand_off),
+                                            timeout=loop_wait_s(slot.stall_bound_s) + self.config.health_timeout_s)
         except grpc.RpcError as e:
             log.info("%s worker %s: Drain got no answer (%s)", slot.role, slot.worker_id, e.code().name)
             return None

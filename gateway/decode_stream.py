@@ -4,7 +4,8 @@
 worker fails mid-stream (the call breaks or ends early, or the worker ends the request
 with an INTERNAL error: it shut down, or its steps kept failing), the stream is replayed
 on another decode worker: the same request with the tokens it already produced as
-`output_token_ids`, prefilled there. They count as output, so the replay goes on exactly
+`output_token_ids`, prefilled there. A drained worker hands its streams off the same way
+(HANDED_OFF: the deploy controller's drain, deploy/drain.py). They count as output, so the replay goes on exactly
 where the first worker stopped: max_tokens, penalties, the seeded sampler's positions
 and the grammar's state all follow them (engine/llm_engine.py `add_request`). Its
 messages then follow on the same stream, nothing duplicated or missing, and the reader
@@ -29,6 +30,7 @@ from rpc import pdserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_REPLAYS = 2  # per choice: a second dead worker in a row is bad luck, a third is the request
+MAX_HAND_OFFS = 8  # per choice: drains are planned, but a bound all the same
 
 # Opens a replay of the request on a decode worker other than those given: (address, call, first message).
 Reopen = Callable[[pb.GenerateRequest, set[str]], Awaitable[tuple[str, object, pb.GenerateResponse]]]
@@ -40,7 +42,8 @@ class DecodeStream:
     def __init__(self, req: pb.GenerateRequest, address: str, call, first: pb.GenerateResponse, reopen: Reopen):
         self.req, self.address, self.call, self.first, self.reopen = req, address, call, first, reopen
         self.tokens: list[int] = list(first.token_ids)  # what the client has been sent, or will be
-        self.replays = 0
+        self.replays = 0  # after a failure
+        self.hand_offs = 0  # from a drained worker
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -59,22 +62,30 @@ class DecodeStream:
             return await self._replay_or(e, f"the stream broke ({e.code().name})")
         if msg is grpc.aio.EOF:
             return await self._replay_or(msg, "it ended the stream early")
+        if msg.finish_reason == pb.ERROR and msg.error.code == pb.HANDED_OFF:
+            return await self._replay_or(msg, msg.error.message, handed_off=True)
         if msg.finish_reason == pb.ERROR and msg.error.code == pb.INTERNAL:
             return await self._replay_or(msg, msg.error.message)
         self.tokens += msg.token_ids
         return msg
 
-    async def _replay_or(self, failure, why: str):
-        """The replay's first message, or `failure` (raised or returned) when there is none."""
+    async def _replay_or(self, failure, why: str, handed_off: bool = False):
+        """The replay's first message, or `failure` (raised or returned) when there is none.
+        A hand-off (a drained worker's) does not count against MAX_REPLAYS, only against
+        MAX_HAND_OFFS: a request may meet several drains in a row of planner moves."""
         rid, failed = self.req.request_id, self.address
-        if self.replays >= MAX_REPLAYS or len(self.tokens) >= self.req.params.max_tokens:
+        spent = self.hand_offs >= MAX_HAND_OFFS if handed_off else self.replays >= MAX_REPLAYS
+        if spent or len(self.tokens) >= self.req.params.max_tokens:
             log.info("request %s: decode worker %s failed mid-stream (%s); no replay left", rid, failed, why)
             return _give(failure)
         self.call.cancel()
         replay = pb.GenerateRequest()
         replay.CopyFrom(self.req)
-        self.replays += 1
-        replay.request_id = f"{self.req.request_id}-replay{self.replays}"
+        if handed_off:
+            self.hand_offs += 1
+        else:
+            self.replays += 1
+        replay.request_id = f"{self.req.request_id}-replay{self.replays + self.hand_offs}"
         del replay.prefill_workers[:]  # prefilled where it lands: its next token is sampled there
         replay.output_token_ids[:] = self.tokens
         try:
@@ -83,11 +94,12 @@ class DecodeStream:
             log.info("request %s: decode worker %s failed mid-stream (%s); no worker to replay it on: %s", rid,
                      failed, why, e.message)
             return _give(failure)
-        RETRIES.labels("mid_stream").inc()
+        RETRIES.labels("handed_off" if handed_off else "mid_stream").inc()
         trace.event(rid, "replayed", failed_worker=failed, decode_worker=self.address, as_id=replay.request_id,
                     output_tokens=len(self.tokens))
-        log.info("request %s: decode worker %s failed mid-stream (%s); replayed on %s as %s after %d tokens", rid,
-                 failed, why, self.address, replay.request_id, len(self.tokens))
+        log.info("request %s: decode worker %s %s (%s); replayed on %s as %s after %d tokens", rid, failed,
+                 "handed it off" if handed_off else "failed mid-stream", why, self.address, replay.request_id,
+                 len(self.tokens))
         self.tokens += first.token_ids
         return first
 

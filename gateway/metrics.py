@@ -20,9 +20,11 @@ REJECTIONS = Counter("pdserve_rejections", "Requests refused with 429, by reason
 for _reason in ("tenant_concurrency", "tenant_tokens", "kv_headroom", "predicted_ttft", "worker_queue_full"):
     REJECTIONS.labels(_reason)  # every series present (at 0) from the start, as a dashboard expects
 RETRIES = Counter("pdserve_decode_retries", "Requests sent to another decode worker, by when: before_first_token "
-                  "(the worker refused it while draining or shutting down, broke, or failed it before any token)",
-                  ["when"])
-RETRIES.labels("before_first_token")
+                  "(the worker refused it while draining or shutting down, broke, or failed it before any token), "
+                  "mid_stream (replayed after the worker died or failed it), handed_off (replayed from a drained "
+                  "worker)", ["when"])
+for _when in ("before_first_token", "mid_stream", "handed_off"):
+    RETRIES.labels(_when)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
 # Lengths of finished requests: the online planner replays their distribution, not their means.

@@ -5,6 +5,7 @@ decode worker of SmolLM2 in float32 behind a gateway) is a session fixture in co
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import socket
 import subprocess
@@ -52,6 +53,29 @@ def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: 
     finally:
         gw.terminate()
         gw.wait(10)
+
+
+@contextlib.contextmanager
+def admin_gateway(model_dir, decode: list[str], prefill: list[str], log_path, token: str, *extra: str):
+    """`gateway` with an admin socket (PDSERVE_ADMIN_TOKEN=token), as the deploy controller
+    runs it; yields (its URL, a function that PUTs a new membership: decode, prefill)."""
+    os.environ["PDSERVE_ADMIN_TOKEN"] = token
+    try:
+        with gateway(model_dir, decode, prefill, log_path, *extra) as url:
+            deadline = time.monotonic() + 30
+            while not (m := re.search(r"^admin on (\S+):(\d+)$", log_path.read_text(), re.MULTILINE)):
+                assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+                time.sleep(0.1)
+            admin = f"http://{m.group(1)}:{m.group(2)}"
+
+            def members(decode: list[str], prefill: list[str]) -> None:
+                resp = httpx.put(f"{admin}/admin/workers", json={"decode": decode, "prefill": prefill},
+                                 headers={"Authorization": f"Bearer {token}"}, timeout=10)
+                assert resp.status_code == 200, resp.text
+
+            yield url, members
+    finally:
+        del os.environ["PDSERVE_ADMIN_TOKEN"]
 
 
 def data_lines(lines):

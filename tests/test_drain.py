@@ -9,20 +9,23 @@ waiting, idle for a second) took for an idle worker, and stopped it with the req
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
+import threading
 
 import httpx
 import pytest
 
 from deploy.drain import DrainEnd, drain, holdings_of
 from rpc import pdserve_pb2 as pb
-from tests.gateway_procs import gateway
+from tests.gateway_procs import admin_gateway, data_lines, gateway, metric_value
 from tests.worker_procs import WorkerProc, start_workers, wait_idle, wait_until
 
 STEP_FLOOR_S = 2.0  # each prefill step: a ~600-token prompt is two steps, so >= 4 s of remote prefill
 STORY = "Tell me a long story about the sea and its ships. " * 50  # ~600 tokens
 ARGS = ["--dtype", "float32", "--kv-blocks", "256"]
 EXIT_GUARD_S = 120  # a guard against a hang, not a speed bound
+ADMIN_TOKEN = "admin-token-for-the-drain-test"
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +131,56 @@ def test_a_decode_worker_stopped_before_the_first_token_costs_a_retry_not_the_re
         _assert_idle(p, b)
     finally:
         c.stop()
+
+
+def test_a_drain_that_hands_off_ends_in_steps_and_its_streams_go_on_exactly(workers, smollm2_dir, tmp_path):
+    """Long greedy streams on D; D leaves the membership and is drained with hand_off: it
+    ends each request with HANDED_OFF, the gateway replays each on B from the tokens it
+    streamed, and the drain ends while the streams still run there. Every stream gives
+    exactly the text it gives when left alone, with no error event."""
+    _, _, b = workers
+    (d,) = start_workers([("decode", ARGS, {})], smollm2_dir, tmp_path)
+    bodies = [{"model": "smollm2", "prompt": f"Story number {i}: the sea was", "max_tokens": 200, "temperature": 0,
+               "logit_bias": {"2": -100}, "stream": True} for i in range(4)]
+
+    def read(url: str, body: dict, started: threading.Event | None = None) -> str:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=180) as resp:
+            assert resp.status_code == 200
+            events = []
+            for line in data_lines(resp.iter_lines()):
+                if line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+                if started is not None and len(events) == 3:
+                    started.set()
+        assert not any("error" in e for e in events) and events[-1]["choices"][0]["finish_reason"] == "length", \
+            events[-2:]
+        return "".join(e["choices"][0]["text"] for e in events)
+
+    try:
+        with gateway(smollm2_dir, [b.address], [], tmp_path / "ref.log") as ref:
+            want = [read(ref, body) for body in bodies]
+        log = tmp_path / "gateway.log"
+        with admin_gateway(smollm2_dir, [d.address], [], log, ADMIN_TOKEN, "--health-interval", "3600") \
+                as (url, members), concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            before = httpx.get(f"{url}/metrics", timeout=30).text
+            started = [threading.Event() for _ in bodies]
+            streams = [pool.submit(read, url, body, event) for body, event in zip(bodies, started)]
+            for event in started:
+                assert event.wait(120)
+            members([b.address], [])  # the controller's first move: out of the membership
+
+            def ask():
+                return holdings_of(d.stub.Drain(pb.DrainRequest(hand_off=True), timeout=30))
+
+            result = drain(ask, d.alive, lambda: True, bound_s=300, health_interval_s=2, unhealthy_after=3)
+            assert result.end is DrainEnd.EMPTY, result
+            assert not all(s.done() for s in streams), "the drain waited for the streams to end"
+            assert [s.result(timeout=180) for s in streams] == want
+            after = httpx.get(f"{url}/metrics", timeout=30).text
+        assert log.read_text().count(f"handed it off (handed off: ") == len(bodies), log.read_text()[-3000:]
+        assert metric_value(after, "pdserve_decode_retries_total", when="handed_off") == \
+            metric_value(before, "pdserve_decode_retries_total", when="handed_off") + len(bodies)
+        _sigterm_exits_cleanly(d)
+        _assert_idle(b)
+    finally:
+        d.stop()

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import threading
-import time
 
 import httpx
 import jsonschema
 import pytest
 
-from tests.gateway_procs import data_lines, gateway, metric_value
+from tests.gateway_procs import admin_gateway, data_lines, gateway, metric_value
 from tests.worker_procs import start_workers, wait_idle
 
 ADMIN_TOKEN = "admin-token-for-the-replay-test"
@@ -56,28 +54,21 @@ def _text(lines) -> tuple[str, list[dict]]:
     return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices")), events
 
 
-@pytest.fixture
-def admin_gateway(workers, smollm2_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("PDSERVE_ADMIN_TOKEN", ADMIN_TOKEN)
-    p, a, _ = workers
-    log = tmp_path / "gateway.log"
-    with gateway(smollm2_dir, [a.address], [p.address], log, "--health-interval", "3600") as url:
-        deadline = time.monotonic() + 30
-        while not (m := re.search(r"^admin on (\S+):(\d+)$", log.read_text(), re.MULTILINE)):
-            assert time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.1)
-        yield url, f"http://{m.group(1)}:{m.group(2)}", log
-
-
-def test_streams_of_a_killed_decode_worker_continue_on_another_exactly(workers, smollm2_dir, tmp_path,
-                                                                        admin_gateway):
+def test_streams_of_a_killed_decode_worker_continue_on_another_exactly(workers, smollm2_dir, tmp_path):
     p, a, b = workers
     with gateway(smollm2_dir, [b.address], [p.address], tmp_path / "ref.log") as ref:
         want = {}
         for name in BODIES:
             with httpx.stream("POST", f"{ref}/v1/chat/completions", json=_body(name), timeout=120) as resp:
                 want[name], _ = _text(list(data_lines(resp.iter_lines())))
-    url, admin, log = admin_gateway
+    log = tmp_path / "gateway.log"
+    with admin_gateway(smollm2_dir, [a.address], [p.address], log, ADMIN_TOKEN, "--health-interval", "3600") \
+            as (url, members):
+        _kill_under_streams(url, members, workers, want, log)
+
+
+def _kill_under_streams(url, members, workers, want, log) -> None:
+    p, a, b = workers
     before = httpx.get(f"{url}/metrics", timeout=30).text
     started = {name: threading.Event() for name in BODIES}
     killed = threading.Event()
@@ -97,8 +88,7 @@ def test_streams_of_a_killed_decode_worker_continue_on_another_exactly(workers, 
         reads = {name: pool.submit(read, name) for name in BODIES}  # all on A: the gateway knows no other yet
         for name, event in started.items():
             assert event.wait(120), (name, reads[name].exception() if reads[name].done() else None)
-        assert httpx.put(f"{admin}/admin/workers", json={"decode": [a.address, b.address], "prefill": [p.address]},
-                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10).status_code == 200
+        members([a.address, b.address], [p.address])
         a.kill()  # kill -9 while every stream is mid-way
         killed.set()
         got = {name: _text(f.result(timeout=180)) for name, f in reads.items()}

@@ -211,14 +211,25 @@ class EngineLoop:
         """Everything this worker holds (on the loop thread): what a drain waits for."""
         return Holdings(self.calls.open, self.engine.num_unfinished(), held_blocks=self.engine.num_held())
 
-    def drain(self) -> Holdings:
-        """Take no new request from now on, and say what is still held (any thread: the
-        answer comes from the loop, between two steps). Raises TimeoutError when the loop
-        does not get to it within `loop_wait_s` (wedged: its health says so too)."""
+    def hand_off(self) -> None:
+        """Called on the loop thread by a drain that hands off: end every request held so
+        that its caller continues it elsewhere (a decode worker's); by default, nothing."""
+
+    def drain(self, hand_off: bool = False) -> Holdings:
+        """Take no new request from now on (and with `hand_off`, end those held for their
+        callers to continue elsewhere), and say what is still held (any thread: the answer
+        comes from the loop, between two steps). Raises TimeoutError when the loop does not
+        get to it within `loop_wait_s` (wedged: its health says so too)."""
         if not self.closing:
             log.info("%s: draining: no new request is taken", self.name)
         self.closing = True
-        return self.call(self.holdings, timeout=self.loop_wait_s())
+
+        def answer() -> Holdings:
+            if hand_off:
+                self.hand_off()
+            return self.holdings()
+
+        return self.call(answer, timeout=self.loop_wait_s())
 
     def shutdown(self) -> None:
         """SIGTERM: take no new request, end every one still held (a decode worker's streams

@@ -48,7 +48,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         """No new request from now on; what is still held, counted on the loop (worker/holdings.py)."""
         try:
-            h = self.worker.drain()
+            h = self.worker.drain(request.hand_off)
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"{self.worker.name}: the engine loop did not answer within {self.worker.loop_wait_s():.0f}s")
