@@ -1,0 +1,128 @@
+"""How long a decode worker takes to leave under load, with and without hand-off, in one run.
+
+    python -m bench.scale_in [--streams 16] [--tokens 256] [--json out.json]
+
+For each setting of the deployment's `drain_hand_off` (false: the drained worker finishes
+its requests first; true: it hands them off, and the gateway replays each on the other
+decode worker from the tokens it streamed), on a fresh `pdserve serve` (1 prefill + 2
+decode workers, SmolLM2):
+
+- scale-in: `--streams` long greedy generations of `--tokens` tokens spread over both
+  decode workers; once each has its first token, `pdserve scale --decode 1`. Measured:
+  the scale call's wall time, the drain's own length (the controller's log), and the
+  streams that completed or failed.
+- planner move: back to 2 decode workers (the cold start is timed too), the same streams,
+  then `pdserve scale --prefill 2 --decode 1`, the move the online planner makes: a new
+  prefill worker's cold start plus a decode worker's drain.
+
+Run it as root inside a loopback-only network namespace, as `make test` does:
+`unshare -n -- sh -c 'ip link set lo up && OMP_NUM_THREADS=1 .venv/bin/python -m bench.scale_in'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.chaos.client import client, completion, send
+from bench.chaos.deployment import BIN, REPO, Deployment
+from bench.chaos.report import Outcome
+from bench.chaos.sizes import QUICK
+from kernels.host import cpu
+
+
+class ScaleDeployment(Deployment):
+    """The chaos deployment with the drain's hand-off set, and room for a second prefill worker."""
+
+    def __init__(self, workdir: Path, hand_off: bool):
+        super().__init__(workdir, QUICK, None, prefill_replicas=1)
+        self.hand_off = hand_off
+
+    def config(self, token: str) -> dict:
+        return {**super().config(token), "drain_hand_off": self.hand_off, "health_interval_s": 2.0}
+
+
+def _scale(dep: Deployment, *args: str) -> float:
+    t0 = time.monotonic()
+    out = subprocess.run([str(BIN / "pdserve"), "scale", *args, "--address", dep.address], cwd=REPO, env=dep.env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"pdserve scale {' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return time.monotonic() - t0
+
+
+async def _under_streams(dep: Deployment, streams: int, tokens: int, rng: random.Random, *scale: str) -> dict:
+    """`streams` generations, then `pdserve scale SCALE` once each has its first token."""
+    started, every = [0], asyncio.Event()
+
+    def on_text() -> None:
+        started[0] += 1
+        if started[0] >= streams:
+            every.set()
+
+    async with client() as http:
+        tasks = [asyncio.create_task(send(http, dep.url, completion(32, tokens, rng), on_text=on_text))
+                 for _ in range(streams)]
+        await asyncio.wait_for(every.wait(), 300)
+        offset = len(dep.log_text())
+        t0 = time.monotonic()
+        scale_s = await asyncio.to_thread(_scale, dep, *scale)
+        records = await asyncio.gather(*tasks)
+        finished_s = time.monotonic() - t0
+    drained = re.findall(r"decode worker \d+: removed \((\w+) after ([\d.]+)s of draining\)", dep.log_text()[offset:])
+    return {"scale_s": round(scale_s, 2), "drain_s": float(drained[-1][1]) if drained else None,
+            "drain_end": drained[-1][0] if drained else None, "streams_done_s": round(finished_s, 2),
+            "completed": sum(r.outcome is Outcome.COMPLETED for r in records),
+            "failed": sum(r.outcome is not Outcome.COMPLETED for r in records)}
+
+
+def run(hand_off: bool, streams: int, tokens: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="pdserve-scale-in-") as tmp:
+        dep = ScaleDeployment(Path(tmp), hand_off)
+        print(f"drain_hand_off={str(hand_off).lower()}: starting pdserve serve (1 prefill + 2 decode)", flush=True)
+        dep.start()
+        try:
+            scale_in = asyncio.run(_under_streams(dep, streams, tokens, rng, "--decode", "1"))
+            print(f"  scale-in: {scale_in}", flush=True)
+            cold_s = _scale(dep, "--decode", "2")
+            print(f"  back to 2 decode workers (a cold start): {cold_s:.1f}s", flush=True)
+            move = asyncio.run(_under_streams(dep, streams, tokens, rng, "--prefill", "2", "--decode", "1"))
+            print(f"  planner move (+1 prefill, -1 decode): {move}", flush=True)
+        finally:
+            code, left = dep.stop()
+        if code != 0 or left:
+            print(f"  pdserve serve stopped with {code}, left {left}")
+    return {"hand_off": hand_off, "scale_in": scale_in, "cold_start_s": round(cold_s, 2), "move": move}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.scale_in", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=256, help="output tokens per stream (the gateway caps at 256)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    print(f"host: {cpu().describe()}; {args.streams} streams of {args.tokens} tokens", flush=True)
+    results = [run(hand_off, args.streams, args.tokens, args.seed) for hand_off in (False, True)]
+    print(f"\n{'drain_hand_off':<15}{'scale-in s':>11}{'drain s':>9}{'failed':>8}{'move s':>9}{'drain s':>9}"
+          f"{'failed':>8}{'cold start s':>14}")
+    for r in results:
+        a, m = r["scale_in"], r["move"]
+        print(f"{str(r['hand_off']).lower():<15}{a['scale_s']:>11.1f}{a['drain_s'] or float('nan'):>9.1f}"
+              f"{a['failed']:>8}{m['scale_s']:>9.1f}{m['drain_s'] or float('nan'):>9.1f}{m['failed']:>8}"
+              f"{r['cold_start_s']:>14.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"host": cpu().describe(), "streams": args.streams, "tokens": args.tokens,
+                                         "runs": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
