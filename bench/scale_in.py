@@ -1,13 +1,13 @@
 """How long a decode worker takes to leave under load, with and without hand-off, in one run.
 
-    python -m bench.scale_in [--streams 16] [--tokens 256] [--json out.json]
+    python -m bench.scale_in [--streams 16] [--tokens 768] [--json out.json]
 
 For each setting of the deployment's `drain_hand_off` (false: the drained worker finishes
 its requests first; true: it hands them off, and the gateway replays each on the other
 decode worker from the tokens it streamed), on a fresh `pdserve serve` (1 prefill + 2
 decode workers, SmolLM2):
 
-- scale-in: `--streams` long greedy generations of `--tokens` tokens spread over both
+- scale-in: `--streams` long greedy generations of `--tokens` tokens (768) spread over both
   decode workers; once each has its first token, `pdserve scale --decode 1`. Measured:
   the scale call's wall time, the drain's own length (the controller's log), and the
   streams that completed or failed.
@@ -41,12 +41,14 @@ from kernels.host import cpu
 class ScaleDeployment(Deployment):
     """The chaos deployment with the drain's hand-off set, and room for a second prefill worker."""
 
-    def __init__(self, workdir: Path, hand_off: bool):
+    def __init__(self, workdir: Path, hand_off: bool, max_output_tokens: int):
         super().__init__(workdir, QUICK, None, prefill_replicas=1)
-        self.hand_off = hand_off
+        self.hand_off, self.max_output_tokens = hand_off, max_output_tokens
 
     def config(self, token: str) -> dict:
-        return {**super().config(token), "drain_hand_off": self.hand_off, "health_interval_s": 2.0}
+        config = super().config(token)
+        config["gateway"]["max_output_tokens"] = self.max_output_tokens
+        return {**config, "drain_hand_off": self.hand_off, "health_interval_s": 2.0}
 
 
 def _scale(dep: Deployment, *args: str) -> float:
@@ -86,7 +88,7 @@ async def _under_streams(dep: Deployment, streams: int, tokens: int, rng: random
 def run(hand_off: bool, streams: int, tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="pdserve-scale-in-") as tmp:
-        dep = ScaleDeployment(Path(tmp), hand_off)
+        dep = ScaleDeployment(Path(tmp), hand_off, tokens)
         print(f"drain_hand_off={str(hand_off).lower()}: starting pdserve serve (1 prefill + 2 decode)", flush=True)
         dep.start()
         try:
@@ -106,7 +108,8 @@ def run(hand_off: bool, streams: int, tokens: int, seed: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.scale_in", description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=256, help="output tokens per stream (the gateway caps at 256)")
+    ap.add_argument("--tokens", type=int, default=768,
+                    help="output tokens per stream: long enough to outlast a new worker's cold start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -114,10 +117,13 @@ def main() -> None:
     results = [run(hand_off, args.streams, args.tokens, args.seed) for hand_off in (False, True)]
     print(f"\n{'drain_hand_off':<15}{'scale-in s':>11}{'drain s':>9}{'failed':>8}{'move s':>9}{'drain s':>9}"
           f"{'failed':>8}{'cold start s':>14}")
+    def seconds(x: float | None) -> float:
+        return float("nan") if x is None else x
+
     for r in results:
         a, m = r["scale_in"], r["move"]
-        print(f"{str(r['hand_off']).lower():<15}{a['scale_s']:>11.1f}{a['drain_s'] or float('nan'):>9.1f}"
-              f"{a['failed']:>8}{m['scale_s']:>9.1f}{m['drain_s'] or float('nan'):>9.1f}{m['failed']:>8}"
+        print(f"{str(r['hand_off']).lower():<15}{a['scale_s']:>11.1f}{seconds(a['drain_s']):>9.1f}"
+              f"{a['failed']:>8}{m['scale_s']:>9.1f}{seconds(m['drain_s']):>9.1f}{m['failed']:>8}"
               f"{r['cold_start_s']:>14.1f}")
     if args.json:
         args.json.write_text(json.dumps({"host": cpu().describe(), "streams": args.streams, "tokens": args.tokens,

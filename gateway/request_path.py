@@ -13,6 +13,7 @@ its body was ever read).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -84,7 +85,7 @@ class Claims:
         worker.kv_claimed_tokens += self.prompt_tokens
 
     def off(self) -> None:
-        """... and no longer: its start there failed."""
+        """... and no longer: its start there failed, or it moved to another worker."""
         w, self.worker = self.worker, None
         if w is not None:
             w.outstanding_tokens -= self.cost
@@ -210,7 +211,7 @@ class RequestPath:
         finally:
             await finish()
 
-    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str) -> list[DecodeStream]:
+    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str, claims: Claims) -> list[DecodeStream]:
         """Choices 1..n-1 on the decode worker that holds the first's prompt, prefilled there
         (no prefill workers: only the prompt's last, partial block is not in its prefix
         cache); a seeded request's choice i samples with seed + i. Opened at once, their
@@ -226,7 +227,8 @@ class RequestPath:
                     child.params.seed = (child.params.seed + i) % 2**63
                 children.append(child)
                 opened.append(asyncio.ensure_future(self._open(address, child)))
-            return [DecodeStream(child, address, call, first, self._reopen)
+            reopen = functools.partial(self._reopen, claims=claims)
+            return [DecodeStream(child, address, call, first, reopen)
                     for child, (call, first) in zip(children, await asyncio.gather(*opened))]
         except BaseException:
             for task in opened:
@@ -251,9 +253,10 @@ class RequestPath:
             trace.event(req.request_id, "sent", decode_worker=worker.address)
             calls: list[DecodeStream] = []
             try:
-                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req), self._reopen))
+                reopen = functools.partial(self._reopen, claims=claims)
+                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req), reopen))
                 if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
-                    calls += await self._siblings(req, n, worker.address)
+                    calls += await self._siblings(req, n, worker.address, claims)
                 return calls
             except BaseException as e:
                 claims.off()
@@ -275,22 +278,28 @@ class RequestPath:
                 REQUESTS.labels(endpoint, str(e.status) if refused else "error").inc()  # a worker's 429 is a 429
                 raise
 
-    async def _reopen(self, req: pb.GenerateRequest, failed: set[str]) -> tuple[str, object, pb.GenerateResponse]:
+    async def _reopen(self, req: pb.GenerateRequest, failed: set[str],
+                      claims: Claims) -> tuple[str, object, pb.GenerateResponse]:
         """A replay (gateway/decode_stream.py) on a decode worker other than `failed`, each
         that fails before its first message costing another, up to MAX_DECODE_ATTEMPTS in
-        all; APIError when none is left. The request's routing cost stays where it was
-        counted (its claims): a replay is rare, and short of the request's whole cost."""
+        all; APIError when none is left. The request's routing cost moves with it (the
+        first of its choices to move takes it)."""
         tried = set(failed)
         for worker in self.router.decode:
             worker.healthy = worker.healthy and worker.address not in failed  # until its next health round
         while len(tried) < MAX_DECODE_ATTEMPTS and any(w.address not in tried for w in self.router.decode):
             worker = self.router.pick_decode(len(req.prompt_token_ids) + len(req.output_token_ids), exclude=tried)
             try:
-                return worker.address, *await self._open(worker.address, req)
+                call, first = await self._open(worker.address, req)
             except WorkerUnavailable as e:
                 log.info("request %s: replay on %s failed: %s", req.request_id, worker.address, e.message)
                 worker.healthy = worker.healthy and not e.down
                 tried.add(worker.address)
+                continue
+            if claims.worker is not None and claims.worker.address in failed:
+                claims.off()
+                claims.on(worker)
+            return worker.address, call, first
         raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)})")
 
     async def _open(self, address: str, req: pb.GenerateRequest):

@@ -24,8 +24,8 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
 from worker import metrics as worker_metrics
-from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.holdings import Holdings
+from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from engine import envs, trace
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.scheduler import SchedulerOutput
 from worker import metrics, step_log
-from worker.holdings import Holdings, loop_wait_s, shutdown_bound_s
+from worker.holdings import Holdings, loop_wait_s
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -152,10 +152,6 @@ class EngineLoop:
         """How long another thread may wait for the loop to get to its command (one step at
         most): the stall bound, past which the loop is wedged anyway, or a floor if longer."""
         return loop_wait_s(self.liveness.bound_s)
-
-    def shutdown_bound_s(self) -> float:
-        """The longest `shutdown` and the server's stop after it take, from the stall bound."""
-        return shutdown_bound_s(self.liveness.bound_s)
 
     def health(self, timeout_s: float) -> Verdict:
         """Deep health, from a gRPC thread: a worker with work is judged by its last completed
