@@ -190,8 +190,11 @@ def _run(ray, config: DeployConfig, stop: threading.Event) -> int:
         _say(f"failed: {e}")
         code = 1
     _say("stopping")
-    try:
+    try:  # how long the workers' own shutdowns may take, from their stall bounds
         bound = ray.get(controller.shutdown_bound_s.remote(), timeout=30)
+    except Exception:  # the shutdown is still asked for; Ray ends what it has not stopped by then
+        bound = 120.0
+    try:
         ray.get(controller.shutdown.remote(), timeout=bound)
     except Exception as e:
         _say(f"clean-up incomplete: {e}")
