@@ -116,7 +116,7 @@ def test_failing_kv_transfers_fall_back_to_local_prefill(ctx):
 
 
 def test_a_prefill_worker_failing_every_push_sends_its_requests_to_the_other(ctx):
-    r = run(ctx, "transfer-error-first")  # all prefilled remotely, on the second: a problem() otherwise
+    r = run(ctx, "transfer-error-first")  # each moved on to the second, no push failing there: else a problem()
     assert r.completed == ctx.sizes.transfer_requests and r.figures["failed_on_first"] > 0, r
 
 

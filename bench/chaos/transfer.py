@@ -90,15 +90,18 @@ async def transfer_error(ctx: Chaos) -> Result:
     return await _with_fault(ctx, Result("transfer-error", fault=True), "error_rate=0.5")
 
 
-def _failed_attempts_on(ctx: Chaos, address: str) -> int:
-    """Remote prefill attempts on `address` that the decode workers logged as failed."""
+def _failed_attempts_on(ctx: Chaos, address: str, what: str = "prefill on {address} failed") -> int:
+    """Remote prefill attempts on `address` that the decode workers logged as failed (or
+    another line of theirs about it, `what`)."""
     logs = [w["log"] for w in ctx.dep.workers() if w["role"] == "decode" and w.get("log")]
-    return sum(Path(log).read_text(errors="replace").count(f"prefill on {address} failed") for log in logs)
+    return sum(Path(log).read_text(errors="replace").count(what.format(address=address)) for log in logs)
 
 
 async def transfer_error_first(ctx: Chaos) -> Result:
-    """Every KV write of the first prefill worker fails: its requests complete on the second,
-    prefilled remotely there (none locally), every block back."""
+    """Every KV write of the first prefill worker fails: each of its requests moves on to
+    the second, where no push fails, and completes; every block back. One whose second
+    attempt outlasts the remote-prefill budget (the quick config's fixed `--prefill-timeout`,
+    which a busy host's queues can pass) is prefilled locally, as designed: counted, not a problem."""
     res = Result("transfer-error-first", fault=True)
     prefill = sorted((w for w in await asyncio.to_thread(ctx.dep.workers) if w["role"] == "prefill"),
                      key=lambda w: int(w["worker_id"]))
@@ -114,14 +117,24 @@ async def transfer_error_first(ctx: Chaos) -> Result:
         body = completion(ctx.sizes.long_prompt, 4, ctx.rng)
         if ranking.rank_prefill(body["prompt"])[0] == first["address"]:
             bodies.append(body)
+    moved, pushes = "prefill on {address} (attempt 2)", "prefill on {address} failed: KV push"
     failed_before = await asyncio.to_thread(_failed_attempts_on, ctx, first["address"])
+    moved_before = await asyncio.to_thread(_failed_attempts_on, ctx, second["address"], moved)
+    pushes_before = await asyncio.to_thread(_failed_attempts_on, ctx, second["address"], pushes)
     res = await _with_fault(ctx, res, f"error_rate=1 only=prefill-{first['worker_id']}", bodies)
     failed = await asyncio.to_thread(_failed_attempts_on, ctx, first["address"]) - failed_before
+    res.figures["moved_to_second"] = await asyncio.to_thread(_failed_attempts_on, ctx, second["address"],
+                                                             moved) - moved_before
+    res.figures["pushes_failed_on_second"] = await asyncio.to_thread(_failed_attempts_on, ctx, second["address"],
+                                                                     pushes) - pushes_before
     res.figures["failed_on_first"] = failed
     res.notes.append(f"{failed} attempts failed on prefill worker {first['worker_id']}")
     if failed == 0:
         res.broken.append("no attempt reached the failing prefill worker: the scenario tested nothing")
-    if res.figures["prefilled_remotely"] < res.figures["requests"]:
-        res.broken.append(f"only {res.figures['prefilled_remotely']} of {res.figures['requests']} prefilled "
-                          "remotely: the second prefill worker should have served them all")
+    if res.figures["moved_to_second"] < res.figures["requests"]:
+        res.broken.append(f"only {res.figures['moved_to_second']} of {res.figures['requests']} moved on to the "
+                          "second prefill worker")
+    if res.figures["pushes_failed_on_second"]:
+        res.broken.append(f"{res.figures['pushes_failed_on_second']} pushes failed on the second prefill worker, "
+                          "which the fault does not name")
     return res
