@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from decode.remote_prefill import DEFAULT_ABORT_BOUND_S
+from decode.kv_source_service import KVSourceService
 from decode.service import DecodeService
 from decode.worker import DecodeWorker
 from engine import trace
@@ -28,8 +29,12 @@ def main() -> None:
     trace.set_process("decode", name)
     worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout,
                           stall_floor_s=args.stall_timeout, abort_bound_s=args.abort_bound)
-    serve(worker, lambda server: pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server),
-          args.host, args.port)
+
+    def add_servicers(server) -> None:
+        pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server)
+        pb_grpc.add_PrefillWorkerServicer_to_server(KVSourceService(worker), server)  # a drain's kept KV
+
+    serve(worker, add_servicers, args.host, args.port)
 
 
 if __name__ == "__main__":

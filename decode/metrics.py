@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from prometheus_client import Counter
 
-PREFILLS = Counter("pdserve_prefills", "Requests admitted, by where their prompt is prefilled (remote, local)",
+PREFILLS = Counter("pdserve_prefills", "Requests admitted, by where their KV comes from: remote (a prefill "
+                   "worker), local, kv_source (a handed-off request's, from the decode worker that kept it)",
                    ["where"])
+MIGRATIONS = Counter("pdserve_migrations", "Handed-off requests whose KV this decode worker kept for its taker, "
+                     "by outcome: kept (at the hand-off), then pushed, failed, aborted or expired (not pulled in "
+                     "time); refused: a pull for KV not kept here", ["outcome"])
 FALLBACKS = Counter("pdserve_prefill_fallbacks", "Remote prefills that ended prefilled here, by cause: "
                     "send_failed, workers_exhausted, deadline, abort_unconfirmed", ["cause"])
-for _where in ("remote", "local"):  # every series present (at 0) from the start, as a dashboard expects
+for _where in ("remote", "local", "kv_source"):  # every series present (at 0) from the start, as a dashboard expects
     PREFILLS.labels(_where)
 for _cause in ("send_failed", "workers_exhausted", "deadline", "abort_unconfirmed"):
     FALLBACKS.labels(_cause)
+for _outcome in ("kept", "pushed", "failed", "aborted", "expired", "refused"):
+    MIGRATIONS.labels(_outcome)

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import trace
-from engine.sampling_params import SamplingParams
 from engine.scheduler import RemotePrefill
 from rpc import auth
 from rpc import pdserve_pb2 as pb
@@ -70,6 +69,7 @@ class RemotePrefillState:
     aborting_since: float = 0.0  # monotonic: when the current attempt's abort was first asked
     retry_at: float = 0.0  # an unconfirmed abort is asked again from then
     reserved: RemotePrefill | None = None  # the schedule's reservation: the sequence and its blocks
+    kv_source: pb.KVSource | None = None  # a hand-off's: the drained decode worker (first in the list) keeps its KV
     cancelled: bool = False  # the client left: once nothing is in flight, its blocks are Released
 
     @property
@@ -182,9 +182,12 @@ class RemotePrefills:
 
     # -- commands -------------------------------------------------------------------------
 
-    def admit(self, request_id: str, prefill_workers: list[str], deadline: float) -> None:
-        """A request that will be prefilled remotely once the schedule reserves its blocks."""
-        self.states[request_id] = RemotePrefillState(request_id, list(prefill_workers), [], 0, deadline)
+    def admit(self, request_id: str, prefill_workers: list[str], deadline: float,
+              kv_source: pb.KVSource | None = None) -> None:
+        """A request that will be prefilled remotely once the schedule reserves its blocks
+        (with `kv_source`, first copied from the decode worker that kept its KV)."""
+        self.states[request_id] = RemotePrefillState(request_id, list(prefill_workers), [], 0, deadline,
+                                                     kv_source=kv_source)
 
     def start(self, reserved: list[RemotePrefill]) -> list[Event]:
         """Send the Prefill of each request whose blocks were just reserved. One that cannot be
@@ -276,17 +279,21 @@ class RemotePrefills:
         state.reserved = rp
         state.destination_blocks = rp.destination_blocks
         state.num_cached_tokens = rp.num_cached_tokens
-        self._send_prefill(state, rp.seq.prompt_token_ids, rp.seq.params, rp.seq.priority, rp.seq.cache_salt)
+        self._send_prefill(state, rp)
 
-    def _send_prefill(self, state: RemotePrefillState, prompt: list[int], params: SamplingParams,
-                      priority: int, cache_salt: str) -> None:
+    def _send_prefill(self, state: RemotePrefillState, rp: RemotePrefill) -> None:
+        """Ask the current worker to fill the reserved blocks: a prefill worker computes the
+        tokens' KV, a hand-off's KV source pushes what it kept of them."""
         state.transfer_id = new_transfer_id(state.request_id, state.attempt)
+        seq = rp.seq
+        source = state.kv_source
         req = pb.PrefillRequest(
-            request_id=state.request_id, prompt_token_ids=prompt, params=params_to_pb(params), priority=priority,
-            cache_salt=cache_salt, transfer_id=state.transfer_id,
+            request_id=state.request_id, prompt_token_ids=rp.kv_token_ids, params=params_to_pb(seq.params),
+            priority=seq.priority, cache_salt=seq.cache_salt, transfer_id=state.transfer_id,
             destination=pb.KVDestination(agent_name=self.agent.name, block_ids=state.destination_blocks,
                                          num_cached_tokens=state.num_cached_tokens),
             decode_transfer_info=self._transfer_info,
+            kv_request_id=source.request_id if source is not None and state.worker == source.address else "",
         )
         timeout = max(0.1, state.deadline - time.monotonic())
         state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
@@ -404,8 +411,7 @@ class RemotePrefills:
             return
         if state.has_next_worker and time.monotonic() < state.deadline and state.reserved is not None:
             state.attempt += 1
-            seq = state.reserved.seq
-            self._send_prefill(state, seq.prompt_token_ids, seq.params, seq.priority, seq.cache_salt)
+            self._send_prefill(state, state.reserved)
             return
         del self.states[rid]
         cause = "deadline" if time.monotonic() >= state.deadline else "workers_exhausted"

@@ -44,11 +44,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}")
         out: queue.SimpleQueue = queue.SimpleQueue()
         prompt = list(request.prompt_token_ids)
-        prefill = self.worker.proven_prefill_workers(list(request.prefill_workers), PROVE_TIMEOUT_S)
+        # A hand-off's KV source heads the list: its copy of the KV is asked for first.
+        source = request.kv_source if request.kv_source.address and request.output_token_ids else None
+        offered = ([source.address] if source is not None else []) + list(request.prefill_workers)
+        prefill = self.worker.proven_prefill_workers(offered, PROVE_TIMEOUT_S)
+        if source is not None and source.address not in prefill:
+            source = None  # it could not prove itself (or is gone): the prefill workers, or here
         try:
             self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
                                                      prefill, out, context.time_remaining(),
-                                                     request.cache_salt, list(request.output_token_ids)),
+                                                     request.cache_salt, list(request.output_token_ids), source),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -7,6 +7,10 @@ it is prefilled here as chunked prefill in the decode batch (conditional disaggr
 and the aggregated mode when no prefill workers are given). Every step's new tokens go to
 the request's stream at once. The remote prefills themselves (attempts, aborts, the KV
 notifications) are decode/remote_prefill.py's; this worker applies their events.
+
+A drain that hands off ends every request with HANDED_OFF; those between two decode steps
+keep their KV here for the decode worker that takes them over, which asks for it as it
+asks a prefill worker (decode/kv_source.py): a move costs a copy of the KV, not a prefill.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from decode import metrics
+from decode.kv_source import KVSource
 from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
                                    RemotePrefills)
 from engine import trace
@@ -61,6 +66,7 @@ class DecodeWorker(EngineLoop):
         self.name = name
         self.agent = agent
         self.remote = RemotePrefills(agent, abort_bound_s) if agent is not None else None
+        self.source = KVSource(agent, engine.block_size) if agent is not None else None
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_timeout_s = prefill_timeout_s
         self.streams: dict[str, _Stream] = {}
@@ -74,28 +80,34 @@ class DecodeWorker(EngineLoop):
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
             prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
-            cache_salt: str = "", output_token_ids: list[int] = ()) -> None:
+            cache_salt: str = "", output_token_ids: list[int] = (), kv_source: pb.KVSource | None = None) -> None:
         """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer);
-        `output_token_ids`: a replay's tokens so far (prefilled here with its prompt)."""
+        `output_token_ids`: a replay's tokens so far (their KV but the last's comes from the
+        prefill workers, or is computed here); `kv_source`: a hand-off's, whose KV that decode
+        worker kept (it heads `prefill_workers`: asked first, always)."""
         if self.closing:
             raise ShuttingDown(f"request {request_id}: {self.name} is shutting down")
         if (self.remote is not None and request_id in self.remote) or self.engine.holds_blocks(request_id):
             # Held blocks (waiting for a prefill worker's abort confirmation) are keyed by this id too.
             raise RequestRejected(request_id, "duplicate request id (one with this id is still in flight)")
-        uncached = len(prompt) - self.engine.num_cached_tokens(prompt, cache_salt)
-        remote = (bool(prefill_workers) and self.remote is not None and not output_token_ids
-                  and uncached > self.local_prefill_threshold)
+        tokens = [*prompt, *output_token_ids]
+        uncached = len(tokens) - self.engine.num_cached_tokens(tokens, cache_salt)
+        remote = (bool(prefill_workers) and self.remote is not None
+                  and (kv_source is not None or uncached > self.local_prefill_threshold))
         self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt,
                                 output_token_ids=output_token_ids)
         self.streams[request_id] = _Stream(out, len(prompt), params)
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
-            self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget))
-        metrics.PREFILLS.labels("remote" if remote else "local").inc()
-        trace.event(request_id, "admitted", prefill="remote" if remote else "local", uncached_tokens=uncached)
+            self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget),
+                              kv_source)
+        where = "local" if not remote else "kv_source" if kv_source is not None else "remote"
+        metrics.PREFILLS.labels(where).inc()
+        trace.event(request_id, "admitted", prefill=where, uncached_tokens=uncached,
+                    kv_source=kv_source.address if kv_source is not None else None)
         log.info("request %s: admitted, %d prompt tokens (%d uncached)%s, %s prefill", request_id, len(prompt),
                  uncached, f", a replay after {len(output_token_ids)} output tokens" if output_token_ids else "",
-                 "remote" if remote else "local")
+                 f"KV from {kv_source.address}" if where == "kv_source" else f"{where} prefill")
 
     def remote_prefill_budget_s(self, uncached_tokens: int) -> float:
         """How long a remote prefill of this many tokens may take, all attempts together,
@@ -122,35 +134,73 @@ class DecodeWorker(EngineLoop):
     def fail_all(self, reason: str) -> None:
         """Steps keep failing, or the worker shuts down: every request ends with an INTERNAL
         error (blocks a prefill worker may be writing stay held until it confirms, as for a cancel)."""
-        self._end_all(pb.INTERNAL, reason)
+        for request_id in list(self.streams):
+            self._end(request_id, pb.INTERNAL, reason)
+        if self.source is not None:
+            self.source.drop_all()
 
     def hand_off(self) -> None:
         """Drained: every request ends here with HANDED_OFF, and its gateway replays it on
-        another decode worker from the tokens it streamed (gateway/decode_stream.py)."""
-        if self.streams:
-            log.info("%s: handing off %d requests", self.name, len(self.streams))
-        self._end_all(pb.HANDED_OFF, f"handed off: {self.name} is leaving")
-
-    def _end_all(self, code: int, message: str) -> None:
+        another decode worker from the tokens it streamed (gateway/decode_stream.py). One
+        between two decode steps keeps its KV here until that worker has copied it (or
+        `kv_hold_s` passed); any other (waiting, preempted, mid-prefill) moves as what it is."""
+        if not self.streams:
+            return
+        kept = 0
         for request_id in list(self.streams):
-            self.engine.abort_request(request_id)
-            if self.remote is not None:
-                self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
-            self._close(request_id, pb.GenerateResponse(
-                finish_reason=pb.ERROR, error=pb.Error(code=code, message=message, request_id=request_id)))
-            trace.event(request_id, "ended_here", code=pb.ErrorCode.Name(code))
+            kv = self.engine.keep(request_id) if self.source is not None else None
+            if kv is None:
+                self._end(request_id, pb.HANDED_OFF, f"handed off: {self.name} is leaving")
+                continue
+            self.source.keep(kv, self.kv_hold_s(len(kv.token_ids)))
+            self._close(request_id, pb.GenerateResponse(finish_reason=pb.ERROR, error=pb.Error(
+                code=pb.HANDED_OFF, message=f"handed off: {self.name} is leaving; its KV is kept there",
+                request_id=request_id)))
+            trace.event(request_id, "ended_here", code="HANDED_OFF", kv_kept=True)
+            kept += 1
+        log.info("%s: handed off %d requests, %d with their KV kept for their takers", self.name,
+                 kept + len(self.streams), kept)
+
+    def kv_hold_s(self, num_tokens: int) -> float:
+        """How long a handed-off request's KV is kept for its taker: what that worker allows
+        a remote prefill of as many tokens (its gateway's replay and its own queue are in
+        the slack); past it, the taker has moved on without it."""
+        return self.remote_prefill_budget_s(num_tokens)
+
+    def pull(self, req: pb.PrefillRequest, reply, timeout_s: float | None) -> None:
+        """A taker's pull of a handed-off request's kept KV (decode/kv_source.py); taken while
+        draining too, which is when there is any. ValueError when it cannot be served."""
+        if self.source is None:
+            raise ValueError(f"request {req.request_id}: {self.name} has no transfer agent and keeps no KV")
+        self.source.pull(req, reply, timeout_s)
+
+    def abort_pull(self, request_id: str, confirmed=None) -> None:
+        if self.source is not None:
+            self.source.abort(request_id, confirmed)
+        elif confirmed is not None:
+            confirmed.set_result(False)
+
+    def _end(self, request_id: str, code: int, message: str) -> None:
+        self.engine.abort_request(request_id)
+        if self.remote is not None:
+            self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
+        self._close(request_id, pb.GenerateResponse(
+            finish_reason=pb.ERROR, error=pb.Error(code=code, message=message, request_id=request_id)))
+        trace.event(request_id, "ended_here", code=pb.ErrorCode.Name(code))
 
     def proven_prefill_workers(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (RPC thread)."""
         return self.remote.proven(addresses, timeout_s) if self.remote is not None else []
 
     def holds_work(self) -> bool:
-        return bool(self.streams)  # its remote prefills' late writes die with this process
+        # Its remote prefills' late writes die with this process; KV kept for a taker is held until released.
+        return bool(self.streams) or (self.source is not None and len(self.source) > 0)
 
     def holdings(self) -> Holdings:
         """Its streams, its remote prefills (a cancelled one too, until its prefill worker
-        confirms the abort) and blocks set aside for an unconfirmed abort: a drain waits for
-        all of them, so no prefill worker writes into a stopped worker's pool."""
+        confirms the abort) and blocks set aside for an unconfirmed abort or kept for a
+        hand-off's taker: a drain waits for all of them, so no prefill worker writes into a
+        stopped worker's pool and no taker finds the KV it was promised gone."""
         awaiting = len(self.remote) if self.remote is not None else 0
         return Holdings(self.calls.open, len(self.streams), awaiting, self.engine.num_held())
 
@@ -182,7 +232,10 @@ class DecodeWorker(EngineLoop):
             return False
         events = self.remote.poll()
         self._apply(events)
-        return bool(events)
+        released = self.source.poll() if self.source.kept else []
+        for request_id in released:
+            self.engine.release(request_id)
+        return bool(events) or bool(released)
 
     def on_step(self, result: StepResult) -> None:
         for d in result.outputs:
@@ -201,7 +254,8 @@ class DecodeWorker(EngineLoop):
                             prefill_queue_s=t.queue_s if t else None, prefill_compute_s=t.prefill_s if t else None,
                             prefill_push_s=t.transfer_s if t else None)
                 update = self.engine.remote_kv_ready(ev.request_id, ev.first_token)
-                if update is not None:
+                if update is not None and (update.new_token_ids or update.finish_reason is not None):
+                    # (a replay's has no token: it decodes its last one next)
                     lps = [ev.first_logprobs] if ev.first_logprobs is not None else None
                     self._deliver(ev.request_id, update.new_token_ids, update.finish_reason, lps,
                                   ev.num_cached_tokens)
@@ -235,7 +289,8 @@ class DecodeWorker(EngineLoop):
             msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
         if reason is not None:
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
-                                        cached_prompt_tokens=max(num_cached, stream.cached_tokens)))
+                                        cached_prompt_tokens=min(stream.prompt_len,  # a replay's cache hits cover output too
+                                                                 max(num_cached, stream.cached_tokens))))
             timings = pb.Timings(first_token_s=(stream.first_token_at or now) - stream.arrived)
             if stream.prefill_timings is not None:
                 timings.queue_s = stream.prefill_timings.queue_s

@@ -31,7 +31,7 @@ from engine.step_buffers import StepLimits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
-from engine.sequence import Sequence
+from engine.sequence import KeptKV, Sequence
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -152,12 +152,12 @@ class LLMEngine:
         (a schedule's `remote_prefills` names them); hold_blocks: keep its blocks after it
         finishes until release() (a prefill worker pushing them); output_token_ids: a replay's
         tokens produced elsewhere, which it continues from as a preempted request does from
-        its own (they count against max_tokens; penalties, seeded positions and the grammar
+        its own (with remote_prefill, the writer fills the KV of all of them but the last) (they count against max_tokens; penalties, seeded positions and the grammar
         follow them). Raises RequestRejected (see check_token_ids, and the scheduler's own limits)."""
         self.check_token_ids(request_id, [*prompt_token_ids, *output_token_ids], params)
-        if output_token_ids and (remote_prefill or len(output_token_ids) >= params.max_tokens):
-            raise RequestRejected(request_id, f"a replay of {len(output_token_ids)} output tokens needs a local "
-                                              f"prefill and max_tokens above them ({params.max_tokens})")
+        if len(output_token_ids) >= params.max_tokens:
+            raise RequestRejected(request_id, f"a replay of {len(output_token_ids)} output tokens needs "
+                                              f"max_tokens above them ({params.max_tokens})")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority, cache_salt)
         for token in output_token_ids:
             seq.append_token(token)
@@ -239,6 +239,12 @@ class LLMEngine:
     def remote_kv_failed(self, request_id: str) -> None:
         """Its remote prefill failed with no write in flight: prefill it here instead."""
         self.scheduler.remote_kv_failed(request_id, recompute=True)
+
+    def keep(self, request_id: str) -> KeptKV | None:
+        """End a running request between two decode steps but keep its blocks, held until
+        release(), for another worker to copy (a drained decode worker's hand-off); None for
+        one that is not running with its KV complete but for the last token."""
+        return self.scheduler.keep(request_id)
 
     def quarantine(self, request_id: str, quarantine_id: str) -> None:
         """Set the request's blocks aside under `quarantine_id` (a writer may not have

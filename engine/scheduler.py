@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.sequence import FinishReason, KeptKV, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,11 @@ class ScheduledChunk:
 class RemotePrefill:
     """Blocks reserved for a prompt whose KV a prefill worker will write.
 
-    `block_table` covers the whole prompt; its first `num_cached_tokens // block_size`
-    blocks came from the local prefix cache, the rest are the transfer's destination.
+    `block_table` covers the whole sequence; its first `num_cached_tokens // block_size`
+    blocks came from the local prefix cache, the rest up to `kv_token_ids` are the
+    transfer's destination. For a new request that is the prompt (the writer samples the
+    first token); for a replay (output tokens produced elsewhere) every token but the last,
+    which is decoded here next.
     """
 
     seq: Sequence
@@ -75,8 +78,14 @@ class RemotePrefill:
     block_size: int
 
     @property
+    def kv_token_ids(self) -> list[int]:
+        """The tokens whose KV the writer fills."""
+        return self.seq.token_ids[:-1] if self.seq.output_token_ids else list(self.seq.prompt_token_ids)
+
+    @property
     def destination_blocks(self) -> list[int]:
-        return self.block_table[self.num_cached_tokens // self.block_size:]
+        num_blocks = -(-len(self.kv_token_ids) // self.block_size)
+        return self.block_table[self.num_cached_tokens // self.block_size:num_blocks]
 
 
 @dataclass
@@ -163,12 +172,20 @@ class Scheduler:
     # -- disaggregation -------------------------------------------------------------------
 
     def remote_kv_ready(self, request_id: str, first_token: int) -> SequenceUpdate | None:
-        """The prompt's KV has landed and the prefill worker sampled `first_token`: decode."""
+        """The prompt's KV has landed and the prefill worker sampled `first_token`: decode.
+        A replay's KV covers every token but its last, which it decodes next: `first_token`
+        is not taken (its update has no token)."""
         seq = self.awaiting_kv.pop(request_id, None)
         if seq is None:
             return None
-        seq.num_computed_tokens = seq.num_prompt_tokens
         seq.remote_prefill = False  # a later preemption recomputes here (prompt and output)
+        if seq.output_token_ids:
+            seq.num_computed_tokens = seq.num_tokens - 1
+            self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            return SequenceUpdate(request_id, [], None)
+        seq.num_computed_tokens = seq.num_prompt_tokens
         self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         seq.append_token(first_token)
         reason = self._finish_reason(seq, first_token)
@@ -193,6 +210,23 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self._push_waiting(seq)
         return None
+
+    def keep(self, request_id: str) -> KeptKV | None:
+        """End a running request whose KV covers every token but its last (the state between
+        two decode steps), holding its blocks until release(): what a decode worker that
+        takes it over copies. None, and nothing done, for a request in any other state
+        (waiting, preempted, mid-prefill, awaiting KV): it moves as what it is."""
+        seq = self.requests.get(request_id)
+        if (seq is None or seq.status is not SequenceStatus.RUNNING or not seq.output_token_ids
+                or seq.num_computed_tokens != seq.num_tokens - 1):
+            return None
+        num_blocks = -(-seq.num_computed_tokens // self.kv.block_size)
+        kept = KeptKV(request_id, seq.token_ids[:-1], seq.token_ids[-1],
+                      self.kv.block_table(request_id)[:num_blocks])
+        self.running.remove(seq)
+        seq.hold_blocks = True
+        self._finish(seq, FinishReason.ABORT)
+        return kept
 
     def quarantine(self, request_id: str, quarantine_id: str) -> None:
         """Blocks a remote writer may still be writing, set aside under `quarantine_id` (held

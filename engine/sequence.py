@@ -67,3 +67,14 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+
+
+@dataclass(frozen=True)
+class KeptKV:
+    """A running request ended with its KV kept (LLMEngine.keep): its blocks stay held
+    under `request_id` until release(), for another worker to copy and decode on from."""
+
+    request_id: str
+    token_ids: list[int]  # the tokens whose KV the blocks hold: prompt and output but the last
+    last_token: int  # sampled, not yet computed: what the taker decodes next
+    block_ids: list[int]  # the blocks of `token_ids`, in order

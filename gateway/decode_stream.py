@@ -4,8 +4,11 @@
 worker fails mid-stream (the call breaks or ends early, or the worker ends the request
 with an INTERNAL error: it shut down, or its steps kept failing), the stream is replayed
 on another decode worker: the same request with the tokens it already produced as
-`output_token_ids`, prefilled there. A drained worker hands its streams off the same way
-(HANDED_OFF: the deploy controller's drain, deploy/drain.py). They count as output, so the replay goes on exactly
+`output_token_ids`, the KV of all but the last of them filled there by a prefill worker or
+computed locally. A drained worker hands its streams off the same way (HANDED_OFF: the
+deploy controller's drain, deploy/drain.py), and keeps their KV for the taker, named as
+the replay's `kv_source`: the taker copies it over NIXL instead of prefilling
+(decode/kv_source.py). They count as output, so the replay goes on exactly
 where the first worker stopped: max_tokens, penalties, the seeded sampler's positions
 and the grammar's state all follow them (engine/llm_engine.py `add_request`). Its
 messages then follow on the same stream, nothing duplicated or missing, and the reader
@@ -42,6 +45,7 @@ class DecodeStream:
     def __init__(self, req: pb.GenerateRequest, address: str, call, first: pb.GenerateResponse, reopen: Reopen):
         self.req, self.address, self.call, self.first, self.reopen = req, address, call, first, reopen
         self.tokens: list[int] = list(first.token_ids)  # what the client has been sent, or will be
+        self.request_id = req.request_id  # the id on the worker serving it now
         self.replays = 0  # after a failure
         self.hand_offs = 0  # from a drained worker
 
@@ -86,17 +90,19 @@ class DecodeStream:
         else:
             self.replays += 1
         replay.request_id = f"{self.req.request_id}-replay{self.replays + self.hand_offs}"
-        del replay.prefill_workers[:]  # prefilled where it lands: its next token is sampled there
         replay.output_token_ids[:] = self.tokens
+        if handed_off:  # the drained worker kept its KV for the taker (if it could: else the taker prefills)
+            replay.kv_source.CopyFrom(pb.KVSource(address=failed, request_id=self.request_id))
         try:
             self.address, self.call, first = await self.reopen(replay, {failed})
         except APIError as e:
             log.info("request %s: decode worker %s failed mid-stream (%s); no worker to replay it on: %s", rid,
                      failed, why, e.message)
             return _give(failure)
+        self.request_id = replay.request_id
         RETRIES.labels("handed_off" if handed_off else "mid_stream").inc()
         trace.event(rid, "replayed", failed_worker=failed, decode_worker=self.address, as_id=replay.request_id,
-                    output_tokens=len(self.tokens))
+                    output_tokens=len(self.tokens), kv_source=failed if handed_off else None)
         log.info("request %s: decode worker %s %s (%s); replayed on %s as %s after %d tokens", rid, failed,
                  "handed it off" if handed_off else "failed mid-stream", why, self.address, replay.request_id,
                  len(self.tokens))

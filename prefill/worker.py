@@ -22,7 +22,8 @@ from engine.llm_engine import LLMEngine, StepResult
 from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
-from transfer import KVPusher, PushStatus, TransferAgent, TransferInfo
+from transfer import KVPusher, PushStatus, TransferAgent
+from worker.destination import checked_destination
 from worker import metrics as worker_metrics
 from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
@@ -92,30 +93,16 @@ class PrefillWorker(EngineLoop):
         if rid in self._early_aborts:
             del self._early_aborts[rid]
             raise ValueError(f"request {rid}: aborted before its Prefill arrived; its blocks may be in use again")
+        if req.kv_request_id:
+            raise ValueError(f"request {rid}: asks for the kept KV of {req.kv_request_id}; a prefill worker keeps none")
         self.engine.check_token_ids(rid, list(req.prompt_token_ids), params)
         if rid in self.requests:  # e.g. its push is still in flight; its blocks are held under this id
             raise ValueError(f"request {rid}: duplicate request id (one with this id is still in flight)")
+        info = checked_destination(rid, req, len(req.prompt_token_ids), self.block_size, self.members)
         dest = req.destination
-        if dest.num_cached_tokens % self.block_size:
-            raise ValueError(f"request {rid}: num_cached_tokens {dest.num_cached_tokens} is not a block multiple")
         prompt = list(req.prompt_token_ids)
         num_blocks = -(-len(prompt) // self.block_size)
         skip = dest.num_cached_tokens // self.block_size
-        if len(dest.block_ids) != num_blocks - skip:
-            raise ValueError(f"request {rid}: {len(dest.block_ids)} destination blocks for {num_blocks - skip} "
-                             f"uncached prompt blocks")
-        info = TransferInfo.from_bytes(req.decode_transfer_info)
-        if info.agent_name != dest.agent_name:
-            raise ValueError(f"request {rid}: destination {dest.agent_name!r} but transfer info of {info.agent_name!r}")
-        members = self.members
-        if members is not None and info.agent_name not in members:  # before it can touch a known peer
-            raise ValueError(f"request {rid}: {info.agent_name!r} is not a decode worker of this deployment")
-        pool = info.layout.num_blocks  # writes go only where the peer's pool has blocks, each once
-        bad = next((b for b in dest.block_ids if not 0 <= b < pool), None)
-        if bad is not None:
-            raise ValueError(f"request {rid}: destination block {bad} is outside {dest.agent_name}'s pool of {pool}")
-        if len(set(dest.block_ids)) != len(dest.block_ids):
-            raise ValueError(f"request {rid}: destination blocks repeat")
         peer = self.agent.add_peer(info)
         # The first token is sampled here with the request's own parameters; decoding goes on there.
         self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,

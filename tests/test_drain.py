@@ -135,9 +135,11 @@ def test_a_decode_worker_stopped_before_the_first_token_costs_a_retry_not_the_re
 
 def test_a_drain_that_hands_off_ends_in_steps_and_its_streams_go_on_exactly(workers, smollm2_dir, tmp_path):
     """Long greedy streams on D; D leaves the membership and is drained with hand_off: it
-    ends each request with HANDED_OFF, the gateway replays each on B from the tokens it
-    streamed, and the drain ends while the streams still run there. Every stream gives
-    exactly the text it gives when left alone, with no error event."""
+    ends each request with HANDED_OFF and keeps its KV, the gateway replays each on B from
+    the tokens it streamed naming D as its KV source, B copies the KV from D over NIXL (no
+    prefill: there is no prefill worker, and B computes none), and the drain ends while the
+    streams still run there. Every stream gives exactly the text it gives when left alone,
+    with no error event."""
     _, _, b = workers
     (d,) = start_workers([("decode", ARGS, {})], smollm2_dir, tmp_path)
     bodies = [{"model": "smollm2", "prompt": f"Story number {i}: the sea was", "max_tokens": 200, "temperature": 0,
@@ -178,6 +180,10 @@ def test_a_drain_that_hands_off_ends_in_steps_and_its_streams_go_on_exactly(work
             assert [s.result(timeout=180) for s in streams] == want
             after = httpx.get(f"{url}/metrics", timeout=30).text
         assert log.read_text().count(f"handed it off (handed off: ") == len(bodies), log.read_text()[-3000:]
+        d_log, b_log = d.log_path.read_text(errors="replace"), b.log_path.read_text(errors="replace")
+        assert d_log.count("kept KV pushed to its taker") == len(bodies), d_log[-3000:]
+        assert b_log.count(f"KV from {d.address}") == len(bodies), b_log[-3000:]
+        assert "prefilling locally" not in b_log and "local_prefill" not in b_log
         assert metric_value(after, "pdserve_decode_retries_total", when="handed_off") == \
             metric_value(before, "pdserve_decode_retries_total", when="handed_off") + len(bodies)
         _sigterm_exits_cleanly(d)

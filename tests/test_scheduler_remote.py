@@ -153,3 +153,63 @@ def test_remote_reservations_count_against_max_num_seqs():
             s.remote_kv_ready(rp.seq.request_id, 7)
     assert finished.keys() == {"local", "r0", "r1", "r2"}
     assert_no_leak(s)
+
+
+def _decode_steps(s, n, token=7):
+    for _ in range(n):
+        out = s.schedule()
+        s.update_from_output(out, fake_tokens(out, token))
+
+
+def test_keep_ends_a_running_request_between_decode_steps_and_holds_its_kv():
+    """A hand-off (decode/kv_source.py): the KV of every token but the last, its blocks held
+    until release(); a request in any other state is left as it is."""
+    s = make(num_blocks=32, block_size=4, budget=8)
+    s.add(seq("r", 10, max_tokens=20))
+    s.add(seq("long", 30, max_tokens=20, base=40))  # mid chunked prefill after the first step
+    _decode_steps(s, 4)
+    assert s.keep("long") is None and s.requests["long"].status is SequenceStatus.RUNNING
+    r = s.requests["r"]
+    assert len(r.output_token_ids) >= 2
+    kept = s.keep("r")
+    assert kept.token_ids == r.token_ids[:-1] and kept.last_token == r.token_ids[-1]
+    assert len(kept.block_ids) == -(-len(kept.token_ids) // 4) and kept.block_ids == s.kv.block_table("r")[:len(kept.block_ids)]
+    assert "r" not in s.requests and "r" in s.held
+    assert s.keep("r") is None and s.keep("unknown") is None
+    s.release("r")
+    s.abort("long")
+    assert_no_leak(s)
+
+
+def test_a_replay_with_remote_kv_reserves_all_its_tokens_and_decodes_its_last_next():
+    """A replay's writer fills the KV of every token but the last (prompt and output); its
+    KV's arrival adds no token: the last one is decoded next, here."""
+    s = make(num_blocks=32, block_size=4)
+    r = remote("r", 9, max_tokens=6)
+    for t in (21, 22, 23):  # three output tokens produced elsewhere
+        r.append_token(t)
+    s.add(r)
+    (rp,) = s.schedule().remote_prefills
+    assert rp.kv_token_ids == r.token_ids[:-1] and len(rp.kv_token_ids) == 11
+    assert len(rp.block_table) == 3 and rp.destination_blocks == rp.block_table[:3]
+    update = s.remote_kv_ready("r", 99)
+    assert update.new_token_ids == [] and update.finish_reason is None
+    assert r.output_token_ids == [21, 22, 23] and r.num_computed_tokens == 11
+    (chunk,) = s.schedule().chunks
+    assert chunk.start == 11 and chunk.num_new == 1 and chunk.token_ids == [23]
+    assert run_to_end(s) == {"r": FinishReason.LENGTH}
+    assert r.output_token_ids[:3] == [21, 22, 23] and len(r.output_token_ids) == 6
+    assert_no_leak(s)
+
+
+def test_a_replay_whose_kv_is_one_block_past_a_boundary_sends_no_block_for_its_last_token():
+    s = make(num_blocks=32, block_size=4)
+    r = remote("r", 7, max_tokens=4)
+    for t in (21, 22):  # 9 tokens: KV of 8 (two blocks); the last starts a third
+        r.append_token(t)
+    s.add(r)
+    (rp,) = s.schedule().remote_prefills
+    assert len(rp.block_table) == 3 and rp.destination_blocks == rp.block_table[:2]
+    s.remote_kv_ready("r", 99)
+    run_to_end(s)
+    assert_no_leak(s)
