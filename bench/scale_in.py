@@ -1,16 +1,19 @@
 """How long a decode worker takes to leave under load, with and without hand-off, in one run.
 
-    python -m bench.scale_in [--streams 16] [--tokens 768] [--json out.json]
+    python -m bench.scale_in [--streams 16] [--tokens 768] [--modes off,replay,kv] [--json out.json]
 
-For each setting of the deployment's `drain_hand_off` (false: the drained worker finishes
-its requests first; true: it hands them off, and the gateway replays each on the other
-decode worker from the tokens it streamed), on a fresh `pdserve serve` (1 prefill + 2
-decode workers, SmolLM2):
+For each way a drained decode worker can treat its requests (`off`: `drain_hand_off:
+false`, it finishes them first; `replay`: it hands them off without their KV, decode
+workers run with `--no-kv-hand-off`, and the other decode worker prefills each from the
+tokens it streamed; `kv`: the default, it hands them off and keeps their KV, which the
+other decode worker copies over NIXL), on a fresh `pdserve serve` (1 prefill + 2 decode
+workers, SmolLM2):
 
 - scale-in: `--streams` long greedy generations of `--tokens` tokens (768) spread over both
   decode workers; once each has its first token, `pdserve scale --decode 1`. Measured:
-  the scale call's wall time, the drain's own length (the controller's log), and the
-  streams that completed or failed.
+  the scale call's wall time, the drain's own length (the controller's log), the streams
+  that completed or failed, when the last ended, and the longest pause any stream saw
+  between two chunks (a moved stream's stall: its taker's prefill, or its KV copy).
 - planner move: back to 2 decode workers (the cold start is timed too), the same streams,
   then `pdserve scale --prefill 2 --decode 1`, the move the online planner makes: a new
   prefill worker's cold start plus a decode worker's drain.
@@ -41,14 +44,16 @@ from kernels.host import cpu
 class ScaleDeployment(Deployment):
     """The chaos deployment with the drain's hand-off set, and room for a second prefill worker."""
 
-    def __init__(self, workdir: Path, hand_off: bool, max_output_tokens: int):
+    def __init__(self, workdir: Path, mode: str, max_output_tokens: int):
         super().__init__(workdir, QUICK, None, prefill_replicas=1)
-        self.hand_off, self.max_output_tokens = hand_off, max_output_tokens
+        self.mode, self.max_output_tokens = mode, max_output_tokens
 
     def config(self, token: str) -> dict:
         config = super().config(token)
         config["gateway"]["max_output_tokens"] = self.max_output_tokens
-        return {**config, "drain_hand_off": self.hand_off, "health_interval_s": 2.0}
+        if self.mode == "replay":
+            config["decode"]["extra_args"].append("--no-kv-hand-off")
+        return {**config, "drain_hand_off": self.mode != "off", "health_interval_s": 2.0}
 
 
 def _scale(dep: Deployment, *args: str) -> float:
@@ -82,14 +87,15 @@ async def _under_streams(dep: Deployment, streams: int, tokens: int, rng: random
     return {"scale_s": round(scale_s, 2), "drain_s": float(drained[-1][1]) if drained else None,
             "drain_end": drained[-1][0] if drained else None, "streams_done_s": round(finished_s, 2),
             "completed": sum(r.outcome is Outcome.COMPLETED for r in records),
-            "failed": sum(r.outcome is not Outcome.COMPLETED for r in records)}
+            "failed": sum(r.outcome is not Outcome.COMPLETED for r in records),
+            "max_gap_s": round(max(r.max_gap_s for r in records), 2)}
 
 
-def run(hand_off: bool, streams: int, tokens: int, seed: int) -> dict:
+def run(mode: str, streams: int, tokens: int, seed: int) -> dict:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="pdserve-scale-in-") as tmp:
-        dep = ScaleDeployment(Path(tmp), hand_off, tokens)
-        print(f"drain_hand_off={str(hand_off).lower()}: starting pdserve serve (1 prefill + 2 decode)", flush=True)
+        dep = ScaleDeployment(Path(tmp), mode, tokens)
+        print(f"hand-off {mode}: starting pdserve serve (1 prefill + 2 decode)", flush=True)
         dep.start()
         try:
             scale_in = asyncio.run(_under_streams(dep, streams, tokens, rng, "--decode", "1"))
@@ -102,7 +108,7 @@ def run(hand_off: bool, streams: int, tokens: int, seed: int) -> dict:
             code, left = dep.stop()
         if code != 0 or left:
             print(f"  pdserve serve stopped with {code}, left {left}")
-    return {"hand_off": hand_off, "scale_in": scale_in, "cold_start_s": round(cold_s, 2), "move": move}
+    return {"mode": mode, "scale_in": scale_in, "cold_start_s": round(cold_s, 2), "move": move}
 
 
 def main() -> None:
@@ -111,20 +117,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=768,
                     help="output tokens per stream: long enough to outlast a new worker's cold start")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--modes", default="off,replay,kv", help="comma-separated: off, replay, kv")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     print(f"host: {cpu().describe()}; {args.streams} streams of {args.tokens} tokens", flush=True)
-    results = [run(hand_off, args.streams, args.tokens, args.seed) for hand_off in (False, True)]
-    print(f"\n{'drain_hand_off':<15}{'scale-in s':>11}{'drain s':>9}{'failed':>8}{'move s':>9}{'drain s':>9}"
-          f"{'failed':>8}{'cold start s':>14}")
+    modes = args.modes.split(",")
+    if set(modes) - {"off", "replay", "kv"}:
+        ap.error(f"--modes: unknown {sorted(set(modes) - {'off', 'replay', 'kv'})}")
+    results = [run(mode, args.streams, args.tokens, args.seed) for mode in modes]
+    print(f"\n{'hand-off':<10}{'scale-in s':>11}{'drain s':>9}{'failed':>8}{'ends s':>8}{'max gap s':>10}"
+          f"{'move s':>9}{'drain s':>9}{'failed':>8}{'max gap s':>10}{'cold start s':>14}")
     def seconds(x: float | None) -> float:
         return float("nan") if x is None else x
 
     for r in results:
         a, m = r["scale_in"], r["move"]
-        print(f"{str(r['hand_off']).lower():<15}{a['scale_s']:>11.1f}{seconds(a['drain_s']):>9.1f}"
-              f"{a['failed']:>8}{m['scale_s']:>9.1f}{seconds(m['drain_s']):>9.1f}{m['failed']:>8}"
-              f"{r['cold_start_s']:>14.1f}")
+        print(f"{r['mode']:<10}{a['scale_s']:>11.1f}{seconds(a['drain_s']):>9.1f}{a['failed']:>8}"
+              f"{a['streams_done_s']:>8.1f}{a['max_gap_s']:>10.2f}{m['scale_s']:>9.1f}{seconds(m['drain_s']):>9.1f}"
+              f"{m['failed']:>8}{m['max_gap_s']:>10.2f}{r['cold_start_s']:>14.1f}")
     if args.json:
         args.json.write_text(json.dumps({"host": cpu().describe(), "streams": args.streams, "tokens": args.tokens,
                                          "runs": results}, indent=1))

@@ -21,6 +21,9 @@ def main() -> None:
     parser.add_argument("--abort-bound", type=float, default=DEFAULT_ABORT_BOUND_S,
                         help="seconds a prefill worker may take to confirm an abort (or be proven gone) "
                              "before the request goes on without the blocks it may still be writing")
+    parser.add_argument("--no-kv-hand-off", dest="kv_hand_off", action="store_false",
+                        help="a drain's hand-off leaves no KV for the taker, which then prefills the handed-off "
+                             "requests (the default keeps it for the taker to copy over NIXL)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, model = build_engine(args)
@@ -28,7 +31,8 @@ def main() -> None:
     name = agent.name if agent is not None else f"decode-{args.worker_id}"
     trace.set_process("decode", name)
     worker = DecodeWorker(engine, name, agent, args.local_prefill_threshold, args.prefill_timeout,
-                          stall_floor_s=args.stall_timeout, abort_bound_s=args.abort_bound)
+                          stall_floor_s=args.stall_timeout, abort_bound_s=args.abort_bound,
+                          kv_hand_off=args.kv_hand_off)
 
     def add_servicers(server) -> None:
         pb_grpc.add_DecodeWorkerServicer_to_server(DecodeService(worker), server)

@@ -61,12 +61,14 @@ REMOTE_PREFILL_SLACK = 10.0  # a remote prefill may take this many times its mea
 class DecodeWorker(EngineLoop):
     def __init__(self, engine: LLMEngine, name: str, agent: TransferAgent | None = None,
                  local_prefill_threshold: int = 0, prefill_timeout_s: float = 60.0,
-                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S, abort_bound_s: float = DEFAULT_ABORT_BOUND_S):
+                 stall_floor_s: float = DEFAULT_STALL_FLOOR_S, abort_bound_s: float = DEFAULT_ABORT_BOUND_S,
+                 kv_hand_off: bool = True):
         super().__init__(engine, name=f"{name}-loop", stall_floor_s=stall_floor_s)
         self.name = name
         self.agent = agent
         self.remote = RemotePrefills(agent, abort_bound_s) if agent is not None else None
         self.source = KVSource(agent, engine.block_size) if agent is not None else None
+        self.kv_hand_off = kv_hand_off  # a hand-off keeps KV for the taker (False: the taker prefills)
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_timeout_s = prefill_timeout_s
         self.streams: dict[str, _Stream] = {}
@@ -148,7 +150,7 @@ class DecodeWorker(EngineLoop):
             return
         kept = 0
         for request_id in list(self.streams):
-            kv = self.engine.keep(request_id) if self.source is not None else None
+            kv = self.engine.keep(request_id) if self.source is not None and self.kv_hand_off else None
             if kv is None:
                 self._end(request_id, pb.HANDED_OFF, f"handed off: {self.name} is leaving")
                 continue

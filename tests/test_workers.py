@@ -36,7 +36,9 @@ import torch
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from rpc import auth
 from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 from tests.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
 from tests.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
 
@@ -640,6 +642,45 @@ def test_requests_that_cannot_fit_are_refused(workers):
     # Exactly at the context limit is fine (and finishes by length).
     fits = generate(d, _prompt(rng, CONTEXT - 4), max_tokens=4, prefill=[p.address], ignore_eos=True)
     assert (len(fits.tokens), fits.finish) == (4, pb.LENGTH)
+    assert_idle(d, p)
+
+
+def test_a_replay_takes_its_kv_from_wherever_it_can_and_continues_exactly(workers, reference):
+    """A replay (gateway/decode_stream.py) names the tokens it streamed; the KV of all but the
+    last comes from its kv_source (a drained decode worker that kept it), else the prefill
+    worker (which samples a token the replay does not take), else a local prefill, and the
+    last is decoded next: every way gives transformers' tokens. A kv_source that keeps
+    nothing refuses the copy and the next way is taken; a decode worker prefills for no one."""
+    d, p = workers.d, workers.p
+    prompt = _prompt(random.Random(11), 2 * BLOCK + 7)
+    (want,) = reference([prompt], 14)
+    head = want[:min(6, len(want) - 1)]  # 6 streamed: the KV of 44 tokens, the last of them decoded next
+    before = d.log_path.read_text(errors="replace").count("pull refused")
+    ways = (((p.address,), d.address), ((), d.address), ((p.address,), ""), ((), ""))
+    for i, (prefill, source) in enumerate(ways):
+        req = _request(prompt, 14, list(prefill), rid=f"replay-{i}")
+        req.output_token_ids[:] = head
+        if source:  # D itself, which keeps nothing under this id
+            req.kv_source.CopyFrom(pb.KVSource(address=source, request_id="kept-nowhere"))
+        tokens, final = [], None
+        for msg in d.stub.Generate(req, timeout=RPC_TIMEOUT_S):
+            tokens.extend(msg.token_ids)
+            final = msg
+        assert final.error.code == pb.ERROR_NONE, final.error
+        assert tokens == want[len(head):], (prefill, source)
+        assert final.usage.completion_tokens == len(tokens) and final.usage.cached_prompt_tokens <= len(prompt)
+    assert d.log_path.read_text(errors="replace").count("pull refused") == before + 2
+    info = d.stub.TransferInfo(pb.TransferInfoRequest(), timeout=10).info
+    name = json.loads(info)["agent_name"]
+    as_prefill = pb_grpc.PrefillWorkerStub(auth.channel(d.address))
+    plain = pb.PrefillRequest(request_id="not-a-pull", prompt_token_ids=prompt, params=pb.SamplingParams(max_tokens=1),
+                              destination=pb.KVDestination(agent_name=name, block_ids=[1, 2, 3]),
+                              decode_transfer_info=info)
+    reply = as_prefill.Prefill(plain, timeout=30)
+    assert reply.error.code == pb.INVALID_REQUEST and "prefills for no one" in reply.error.message, reply
+    plain.kv_request_id = "kept-nowhere"
+    reply = as_prefill.Prefill(plain, timeout=30)
+    assert reply.error.code == pb.INVALID_REQUEST and "not kept here" in reply.error.message, reply
     assert_idle(d, p)
 
 

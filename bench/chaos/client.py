@@ -58,6 +58,7 @@ async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, 
                 _classify_body(rec, await resp.aread())
                 return
             errored = finished = False
+            last_text_s = 0.0
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -77,6 +78,10 @@ async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, 
                 for choice in event.get("choices") or ():
                     if choice.get("text"):
                         rec.chunks += 1
+                        now = time.monotonic()
+                        if rec.ttft_s is not None:
+                            rec.max_gap_s = max(rec.max_gap_s, now - t0 - last_text_s)
+                        last_text_s = now - t0
                         if rec.ttft_s is None:
                             rec.ttft_s = time.monotonic() - t0
                             if on_text is not None:

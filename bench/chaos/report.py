@@ -23,6 +23,7 @@ class Record:
     answered_s: float | None = None  # sent -> response headers
     ttft_s: float | None = None  # sent -> first text
     chunks: int = 0  # SSE chunks that carried text
+    max_gap_s: float = 0.0  # the longest wait between two text chunks (a stream's worst stall)
     error: str = ""
 
 
