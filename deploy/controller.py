@@ -109,7 +109,9 @@ class Controller:
         for role, target in targets.items():
             if target is not None:
                 metrics.POOL_TARGET.labels(role).set(target)
+        t0 = time.monotonic()
         with self.lock:
+            before = {role: len(slots) for role, slots in self.pools.items()}
             new: list[Slot] = []
             try:
                 for role, target in targets.items():  # all placed first: they load in parallel
@@ -134,9 +136,23 @@ class Controller:
                 self.draining.append(slot)
             if leaving:
                 self._push_membership()  # out of routing now; the rounds go on while they drain
+        ready_s = time.monotonic() - t0
         for slot in leaving:  # outside the lock: a slow drain holds up no health round
             self._drain(slot)
+        self._log_scale(before, targets, ready_s, time.monotonic() - t0)
         return self.status()
+
+    def _log_scale(self, before: dict[str, int], targets: dict[str, int | None], ready_s: float, seconds: float) -> None:
+        """The move, once done: its kind (a metric label) and how long it took, start to end."""
+        grew = [r for r, t in targets.items() if t is not None and t > before[r]]
+        shrank = [r for r, t in targets.items() if t is not None and t < before[r]]
+        if not grew and not shrank:
+            return
+        kind = "move" if grew and shrank else "out" if grew else "in"
+        metrics.SCALE_SECONDS.labels(kind).observe(seconds)
+        sizes = ", ".join(f"{r} {before[r]} -> {t}" for r, t in targets.items() if t is not None and t != before[r])
+        self._event(f"scale ({kind}: {sizes}) done in {seconds:.1f}s: new workers ready after {ready_s:.1f}s, "
+                    f"leaving ones drained and stopped {seconds - ready_s:.1f}s later")
 
     def status(self) -> dict:
         """A snapshot, without the lock: a scale in progress (workers starting or draining,

@@ -29,6 +29,10 @@ DRAINS = Counter("pdserve_drains", "Workers drained out of a pool, by how the dr
                  ["pool", "end"], registry=REGISTRY)
 DRAIN_SECONDS = Histogram("pdserve_drain_seconds", "From a worker's removal from the membership to its drain's end",
                           ["pool"], registry=REGISTRY, buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600))
+SCALE_SECONDS = Histogram("pdserve_scale_seconds", "A scale from its decision to its end (new workers ready, "
+                          "leaving ones drained and stopped), by kind: out, in, or move (one pool grows as the "
+                          "other shrinks: the online planner's)", ["kind"], registry=REGISTRY,
+                          buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
 
 STATES = ("starting", "ready", "restarting", "draining")
 for _pool in ("prefill", "decode"):  # every series present from the first push, at 0
@@ -38,6 +42,8 @@ for _pool in ("prefill", "decode"):  # every series present from the first push,
         HEALTH_VERDICTS.labels(_pool, _verdict)
     for _end in ("empty", "gone", "wedged", "bound"):
         DRAINS.labels(_pool, _end)
+for _kind in ("out", "in", "move"):
+    SCALE_SECONDS.labels(_kind)
 for _decision in ("hold", "scale"):
     PLANNER_DECISIONS.labels(_decision)
 
