@@ -41,6 +41,9 @@ from bench.chaos.sizes import QUICK
 from kernels.host import cpu
 
 
+DECODE_KV_BLOCKS = 1280  # 20k tokens: 16 streams of 32 + 768 tokens fit on one decode worker
+
+
 class ScaleDeployment(Deployment):
     """The chaos deployment with the drain's hand-off set, and room for a second prefill worker."""
 
@@ -51,6 +54,9 @@ class ScaleDeployment(Deployment):
     def config(self, token: str) -> dict:
         config = super().config(token)
         config["gateway"]["max_output_tokens"] = self.max_output_tokens
+        # Room on one decode worker for every stream at its longest: what a stream's pauses
+        # measure is then the move, not preemptions of a worker too small to take them all.
+        config["decode"]["kv_blocks"] = max(config["decode"]["kv_blocks"], DECODE_KV_BLOCKS)
         if self.mode == "replay":
             config["decode"]["extra_args"].append("--no-kv-hand-off")
         return {**config, "drain_hand_off": self.mode != "off", "health_interval_s": 2.0}

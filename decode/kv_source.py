@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -29,10 +28,9 @@ from engine.sequence import KeptKV
 from rpc import pdserve_pb2 as pb
 from transfer import KVPusher, PushStatus, TransferAgent
 from worker.destination import checked_destination
+from worker.push_calls import EarlyAborts
 
 log = logging.getLogger(__name__)
-
-_EARLY_ABORTS_KEPT = 4096  # pulls aborted before they arrived: a late one is refused
 
 
 @dataclass
@@ -62,7 +60,7 @@ class KVSource:
         self.pusher = KVPusher(agent)
         self.kept: dict[str, _Kept] = {}
         self.pulls: dict[str, _Pull] = {}  # by the taker's request id
-        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._early_aborts = EarlyAborts()
         self._released: list[str] = []
 
     def __len__(self) -> int:
@@ -79,8 +77,7 @@ class KVSource:
         the PrefillResponse once the push ended. ValueError (nothing started) when it is not
         kept here, is pulled already, or the request or its destination does not match."""
         rid, kept_id = req.request_id, req.kv_request_id
-        if rid in self._early_aborts:
-            del self._early_aborts[rid]
+        if self._early_aborts.take(rid):
             raise ValueError(f"request {rid}: aborted before its pull arrived")
         kept = self.kept.get(kept_id)
         if kept is None:
@@ -108,10 +105,7 @@ class KVSource:
         known) once nothing of it is in flight. One not here yet is refused when it comes."""
         p = self.pulls.get(request_id)
         if p is None:
-            self._early_aborts[request_id] = None
-            self._early_aborts.move_to_end(request_id)
-            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
-                self._early_aborts.popitem(last=False)
+            self._early_aborts.remember(request_id)
             if confirmed is not None:
                 confirmed.set_result(False)
             return

@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
 from decode.worker import DecodeWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from worker.push_calls import confirm_abort, wait_for_reply
 
 log = logging.getLogger(__name__)
-
-_POLL_S = 0.5
 
 
 class KVSourceService(pb_grpc.PrefillWorkerServicer):
@@ -49,22 +47,10 @@ class KVSourceService(pb_grpc.PrefillWorkerServicer):
 
             if not context.add_callback(abort):
                 abort()
-            while True:
-                try:
-                    return reply.result(timeout=_POLL_S)
-                except FutureTimeout:
-                    if not context.is_active():
-                        return pb.PrefillResponse(error=pb.Error(code=pb.CANCELLED, message="caller gone",
-                                                                 request_id=rid))
+            return wait_for_reply(reply, context, rid)
         finally:
             self.worker.calls.closed()
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Answers once nothing of the pull is in flight (the taker's blocks are free to reuse)."""
-        confirmed: Future = Future()
-        self.worker.submit(lambda: self.worker.abort_pull(request.request_id, confirmed))
-        try:
-            return pb.AbortResponse(found=confirmed.result(timeout=self.worker.loop_wait_s()))
-        except FutureTimeout:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"request {request.request_id}: writes still in flight after {self.worker.loop_wait_s():.0f}s")
+        return confirm_abort(self.worker, self.worker.abort_pull, request.request_id, context)

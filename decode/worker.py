@@ -107,7 +107,7 @@ class DecodeWorker(EngineLoop):
         metrics.PREFILLS.labels(where).inc()
         trace.event(request_id, "admitted", prefill=where, uncached_tokens=uncached,
                     kv_source=kv_source.address if kv_source is not None else None)
-        log.info("request %s: admitted, %d prompt tokens (%d uncached)%s, %s prefill", request_id, len(prompt),
+        log.info("request %s: admitted, %d prompt tokens (%d uncached)%s, %s", request_id, len(prompt),
                  uncached, f", a replay after {len(output_token_ids)} output tokens" if output_token_ids else "",
                  f"KV from {kv_source.address}" if where == "kv_source" else f"{where} prefill")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -14,10 +13,9 @@ from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
 from worker.loop import ShuttingDown
+from worker.push_calls import confirm_abort, wait_for_reply
 
 log = logging.getLogger(__name__)
-
-_POLL_S = 0.5
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -55,13 +53,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
         if not context.add_callback(abort):  # the caller left while the request was being admitted
             abort()
-        while True:
-            try:
-                return reply.result(timeout=_POLL_S)
-            except FutureTimeout:
-                if not context.is_active():
-                    return pb.PrefillResponse(error=pb.Error(code=pb.CANCELLED, message="caller gone",
-                                                             request_id=rid))
+        return wait_for_reply(reply, context, rid)
 
     def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
         """Answered at once, whatever the loop is doing: the check reads the new list next."""
@@ -70,10 +62,4 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Answers once nothing of the request is in flight (its blocks are free to reuse)."""
-        confirmed: Future = Future()
-        self.worker.submit(lambda: self.worker.abort(request.request_id, confirmed))
-        try:
-            return pb.AbortResponse(found=confirmed.result(timeout=self.worker.loop_wait_s()))
-        except FutureTimeout:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"request {request.request_id}: writes still in flight after {self.worker.loop_wait_s():.0f}s")
+        return confirm_abort(self.worker, self.worker.abort, request.request_id, context)

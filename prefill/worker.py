@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +23,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent
 from worker.destination import checked_destination
+from worker.push_calls import EarlyAborts
 from worker import metrics as worker_metrics
 from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
@@ -36,11 +36,6 @@ log = logging.getLogger(__name__)
 # that whole step, while it completes within a few ms (once the decode worker's NIXL makes
 # progress, which it does between layers of its own step).
 _LAST_PUSH_WAIT_S = 0.005
-
-# Request ids aborted before their Prefill arrived (the Abort overtook it), remembered so
-# that the late Prefill is refused rather than pushed into blocks the decode worker has
-# reused: the most recent ones, as many as a deployment could have racing at once.
-_EARLY_ABORTS_KEPT = 4096
 
 
 @dataclass
@@ -74,7 +69,7 @@ class PrefillWorker(EngineLoop):
         # The deployment's decode agents (SetPeers, from the controller); None until the
         # first list arrives: a worker started by hand takes any destination that checks out.
         self.members: frozenset[str] | None = None
-        self._early_aborts: OrderedDict[str, None] = OrderedDict()
+        self._early_aborts = EarlyAborts()
 
     def set_members(self, decode_agents: list[str]) -> None:
         """The controller's list of decode agents (any thread: one assignment); connections
@@ -90,8 +85,7 @@ class PrefillWorker(EngineLoop):
         rid = req.request_id
         if self.closing:
             raise ShuttingDown(f"request {rid}: {self.name} is shutting down")
-        if rid in self._early_aborts:
-            del self._early_aborts[rid]
+        if self._early_aborts.take(rid):
             raise ValueError(f"request {rid}: aborted before its Prefill arrived; its blocks may be in use again")
         if req.kv_request_id:
             raise ValueError(f"request {rid}: asks for the kept KV of {req.kv_request_id}; a prefill worker keeps none")
@@ -140,10 +134,7 @@ class PrefillWorker(EngineLoop):
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
         p = self.requests.get(request_id)
         if p is None:  # not here (yet): a Prefill for it that comes later is refused
-            self._early_aborts[request_id] = None
-            self._early_aborts.move_to_end(request_id)
-            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
-                self._early_aborts.popitem(last=False)
+            self._early_aborts.remember(request_id)
             if confirmed is not None:
                 confirmed.set_result(False)
             return
