@@ -20,6 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 import prefill.worker as prefill_worker
+import worker.destination as destination
 from decode.remote_prefill import Phase
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
@@ -46,7 +47,7 @@ def _prefill_worker(engine: LLMEngine, monkeypatch) -> tuple[prefill_worker.Pref
     agent = fake_agent()
     monkeypatch.setattr(agent, "add_peer", lambda info: "decode-0-1", raising=False)
     peer = SimpleNamespace(agent_name="decode-0-1", layout=SimpleNamespace(num_blocks=64))
-    monkeypatch.setattr(prefill_worker.TransferInfo, "from_bytes", staticmethod(lambda blob: peer))
+    monkeypatch.setattr(destination.TransferInfo, "from_bytes", staticmethod(lambda blob: peer))
     return prefill_worker.PrefillWorker(engine, agent), agent
 
 
@@ -253,7 +254,7 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     first = state.transfer_id
     assert sent[-1].transfer_id == first and first.startswith("r.0.")
     state.attempt += 1  # attempt 1 failed and was confirmed aborted: attempt 2 goes out
-    worker.remote._send_prefill(state, list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, "")
+    worker.remote._send_prefill(state, state.reserved)
     second = state.transfer_id
     assert second != first and sent[-1].transfer_id == second
     inbox += [Notification("prefill-0-1", NotifKind.ABORT, first), Notification("prefill-0-1", NotifKind.DONE, first, 3),
