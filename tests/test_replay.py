@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 
 import httpx
@@ -20,6 +21,7 @@ import jsonschema
 import pytest
 
 from deploy.drain import DrainEnd, drain, holdings_of
+from deploy.trace import timelines
 from rpc import pdserve_pb2 as pb
 from tests.gateway_procs import admin_gateway, data_lines, gateway, metric_value
 from tests.worker_procs import start_workers, wait_idle
@@ -87,6 +89,14 @@ def test_streams_of_a_drained_decode_worker_move_with_their_kv_exactly(workers, 
         d_log, b_log = d.log_path.read_text(errors="replace"), b.log_path.read_text(errors="replace")
         assert d_log.count("kept KV pushed to its taker") == len(BODIES), d_log[-3000:]
         assert b_log.count(f"KV from {d.address}") == len(BODIES), b_log[-3000:]
+        # `pdserve trace ID` shows the hop: kept on D, copied to B, decoded on there.
+        rid = re.search(r"request (\S+): decode worker \S+ handed it off", log.read_text()).group(1)
+        (line,) = timelines([log, d.log_path, b.log_path], rid)
+        names = [(e.role, e.name) for e in line.events]
+        for hop in (("decode", "kv_kept"), ("decode", "kv_pull"), ("decode", "kv_released"), ("gateway", "replayed")):
+            assert hop in names, (hop, names)
+        assert any(e.name == "admitted" and e.fields.get("prefill") == "kv_source" for e in line.events), names
+        assert any(e.name == "kv_released" and e.fields.get("outcome") == "done" for e in line.events), names
         _assert_idle(p, b)
     finally:
         d.stop()
