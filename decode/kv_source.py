@@ -45,7 +45,6 @@ class _Pull:
     request_id: str  # the taker's
     kept: _Kept
     reply: Future  # resolves to a PrefillResponse
-    num_blocks: int
     num_cached_tokens: int
     started: float = field(default_factory=time.monotonic)
     abort_waiters: list[Future] = field(default_factory=list)
@@ -94,7 +93,7 @@ class KVSource:
         skip = req.destination.num_cached_tokens // self.block_size
         self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
         kept.pulled_by = rid
-        self.pulls[rid] = _Pull(rid, kept, reply, len(req.destination.block_ids), req.destination.num_cached_tokens)
+        self.pulls[rid] = _Pull(rid, kept, reply, req.destination.num_cached_tokens)
         self.pusher.push(rid, kept.kv.block_ids[skip:], list(req.destination.block_ids), last=True)
         trace.event(kept_id, "kv_pull", taker=peer, as_id=rid, blocks=len(req.destination.block_ids))
         log.info("request %s: pushing its kept KV (%d blocks) to %s as %s", kept_id, len(req.destination.block_ids),
@@ -105,10 +104,7 @@ class KVSource:
         known) once nothing of it is in flight. One not here yet is refused when it comes."""
         p = self.pulls.get(request_id)
         if p is None:
-            self._early_aborts.remember(request_id)
-            if confirmed is not None:
-                confirmed.set_result(False)
-            return
+            return self._early_aborts.not_here(request_id, confirmed)
         if confirmed is not None:
             p.abort_waiters.append(confirmed)
         self.pusher.abort(request_id)
@@ -153,5 +149,5 @@ class KVSource:
     def _release(self, kept: _Kept, outcome: str) -> None:
         del self.kept[kept.kv.request_id]
         self._released.append(kept.kv.request_id)
-        metrics.MIGRATIONS.labels({"done": "pushed"}.get(outcome, outcome)).inc()
+        metrics.MIGRATIONS.labels("pushed" if outcome == PushStatus.DONE.value else outcome).inc()
         trace.event(kept.kv.request_id, "kv_released", outcome=outcome)

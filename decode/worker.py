@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from decode import metrics
@@ -148,20 +149,15 @@ class DecodeWorker(EngineLoop):
         `kv_hold_s` passed); any other (waiting, preempted, mid-prefill) moves as what it is."""
         if not self.streams:
             return
-        kept = 0
+        handed, kept = len(self.streams), 0
         for request_id in list(self.streams):
             kv = self.engine.keep(request_id) if self.source is not None and self.kv_hand_off else None
-            if kv is None:
-                self._end(request_id, pb.HANDED_OFF, f"handed off: {self.name} is leaving")
-                continue
-            self.source.keep(kv, self.kv_hold_s(len(kv.token_ids)))
-            self._close(request_id, pb.GenerateResponse(finish_reason=pb.ERROR, error=pb.Error(
-                code=pb.HANDED_OFF, message=f"handed off: {self.name} is leaving; its KV is kept there",
-                request_id=request_id)))
-            trace.event(request_id, "ended_here", code="HANDED_OFF", kv_kept=True)
-            kept += 1
-        log.info("%s: handed off %d requests, %d with their KV kept for their takers", self.name,
-                 kept + len(self.streams), kept)
+            if kv is not None:  # ended already, its blocks held: _end only closes its stream
+                self.source.keep(kv, self.kv_hold_s(len(kv.token_ids)))
+                kept += 1
+            self._end(request_id, pb.HANDED_OFF,
+                      f"handed off: {self.name} is leaving" + ("; its KV is kept there" if kv is not None else ""))
+        log.info("%s: handed off %d requests, %d with their KV kept for their takers", self.name, handed, kept)
 
     def kv_hold_s(self, num_tokens: int) -> float:
         """How long a handed-off request's KV is kept for its taker: what that worker allows
@@ -169,14 +165,14 @@ class DecodeWorker(EngineLoop):
         the slack); past it, the taker has moved on without it."""
         return self.remote_prefill_budget_s(num_tokens)
 
-    def pull(self, req: pb.PrefillRequest, reply, timeout_s: float | None) -> None:
+    def pull(self, req: pb.PrefillRequest, reply: Future, timeout_s: float | None) -> None:
         """A taker's pull of a handed-off request's kept KV (decode/kv_source.py); taken while
         draining too, which is when there is any. ValueError when it cannot be served."""
         if self.source is None:
             raise ValueError(f"request {req.request_id}: {self.name} has no transfer agent and keeps no KV")
         self.source.pull(req, reply, timeout_s)
 
-    def abort_pull(self, request_id: str, confirmed=None) -> None:
+    def abort_pull(self, request_id: str, confirmed: Future | None = None) -> None:
         if self.source is not None:
             self.source.abort(request_id, confirmed)
         elif confirmed is not None:
@@ -234,7 +230,7 @@ class DecodeWorker(EngineLoop):
             return False
         events = self.remote.poll()
         self._apply(events)
-        released = self.source.poll() if self.source.kept else []
+        released = self.source.poll() if len(self.source) else []
         for request_id in released:
             self.engine.release(request_id)
         return bool(events) or bool(released)
@@ -290,9 +286,9 @@ class DecodeWorker(EngineLoop):
         if logprobs:
             msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
         if reason is not None:
+            cached = min(stream.prompt_len, max(num_cached, stream.cached_tokens))  # a replay's hits cover output too
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
-                                        cached_prompt_tokens=min(stream.prompt_len,  # a replay's cache hits cover output too
-                                                                 max(num_cached, stream.cached_tokens))))
+                                        cached_prompt_tokens=cached))
             timings = pb.Timings(first_token_s=(stream.first_token_at or now) - stream.arrived)
             if stream.prefill_timings is not None:
                 timings.queue_s = stream.prefill_timings.queue_s

@@ -152,8 +152,8 @@ class LLMEngine:
         (a schedule's `remote_prefills` names them); hold_blocks: keep its blocks after it
         finishes until release() (a prefill worker pushing them); output_token_ids: a replay's
         tokens produced elsewhere, which it continues from as a preempted request does from
-        its own (with remote_prefill, the writer fills the KV of all of them but the last) (they count against max_tokens; penalties, seeded positions and the grammar
-        follow them). Raises RequestRejected (see check_token_ids, and the scheduler's own limits)."""
+        its own (they count against max_tokens; penalties, seeded positions and the grammar
+        follow them; with remote_prefill the writer fills the KV of all but the last). Raises RequestRejected (see check_token_ids, and the scheduler's own limits)."""
         self.check_token_ids(request_id, [*prompt_token_ids, *output_token_ids], params)
         if len(output_token_ids) >= params.max_tokens:
             raise RequestRejected(request_id, f"a replay of {len(output_token_ids)} output tokens needs "

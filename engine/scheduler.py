@@ -179,14 +179,13 @@ class Scheduler:
         if seq is None:
             return None
         seq.remote_prefill = False  # a later preemption recomputes here (prompt and output)
-        if seq.output_token_ids:
-            seq.num_computed_tokens = seq.num_tokens - 1
-            self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+        replay = bool(seq.output_token_ids)
+        seq.num_computed_tokens = seq.num_tokens - 1 if replay else seq.num_prompt_tokens
+        self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+        if replay:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             return SequenceUpdate(request_id, [], None)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         seq.append_token(first_token)
         reason = self._finish_reason(seq, first_token)
         if reason is None:

@@ -134,10 +134,7 @@ class PrefillWorker(EngineLoop):
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
         p = self.requests.get(request_id)
         if p is None:  # not here (yet): a Prefill for it that comes later is refused
-            self._early_aborts.remember(request_id)
-            if confirmed is not None:
-                confirmed.set_result(False)
-            return
+            return self._early_aborts.not_here(request_id, confirmed)
         if confirmed is not None:
             p.abort_waiters.append(confirmed)
         self.engine.abort_request(request_id)  # its blocks are held until the push ends

@@ -28,11 +28,15 @@ class EarlyAborts:
         self.kept = kept
         self._ids: OrderedDict[str, None] = OrderedDict()
 
-    def remember(self, request_id: str) -> None:
+    def not_here(self, request_id: str, confirmed: Future | None) -> None:
+        """An abort of a request not here (yet): remembered, so that it is refused when it
+        comes, and answered at once (`confirmed`: False, nothing was known)."""
         self._ids[request_id] = None
         self._ids.move_to_end(request_id)
         while len(self._ids) > self.kept:
             self._ids.popitem(last=False)
+        if confirmed is not None:
+            confirmed.set_result(False)
 
     def take(self, request_id: str) -> bool:
         """True (once) if `request_id` was aborted before it came."""
