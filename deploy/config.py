@@ -172,6 +172,10 @@ class DeployConfig:
     # A drained decode worker hands its requests off (each replayed on another decode worker
     # from the tokens it streamed) instead of finishing them: a drain takes a few steps.
     drain_hand_off: bool = True
+    # A move between the pools (the planner's) changes a drained worker's role in its own
+    # process, weights kept, when both pools reserve the same bundle (deploy/role_change.py);
+    # false: a new worker starts cold and the moved one is drained and stopped.
+    move_in_place: bool = True
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     internal_token: str | None = None  # the gRPC shared secret; None: a random one per deployment

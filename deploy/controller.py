@@ -18,7 +18,9 @@ several bundles of one group), starts the gateway, and every health round:
 
 `scale` adds workers (ready before they join) and removes the newest ones after draining
 them: out of the membership first, then stopped once each confirms it holds nothing
-(deploy/drain.py), is wedged, or `drain_timeout_s` passed.
+(deploy/drain.py), is wedged, or `drain_timeout_s` passed. A move between the pools
+drains a worker of one and changes its role in place to join the other, its weights
+kept, instead of starting a new one cold (deploy/role_change.py).
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy import metrics
 from deploy.config import DeployConfig, PoolConfig
-from deploy.drain import DrainEnd, drain, holdings_of
+from deploy.drain import DrainEnd, Drained, drain, holdings_of
 from deploy.health import Action, judge_health, judge_report
 from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
 from deploy.planner_loop import PlannerLoop
+from deploy.role_change import Moves, RoleChangeFailed, change_role, in_place_moves
 from deploy.simulator import Pools
-from deploy.slot import Slot, SlotState
+from deploy.slot import HostReport, Slot, SlotState
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -112,10 +115,12 @@ class Controller:
         t0 = time.monotonic()
         with self.lock:
             before = {role: len(slots) for role, slots in self.pools.items()}
+            moves = in_place_moves(before, targets, self.config)  # these change role instead of starting cold
             new: list[Slot] = []
             try:
                 for role, target in targets.items():  # all placed first: they load in parallel
-                    for _ in range(0 if target is None else target - len(self.pools[role])):
+                    moved_in = moves.count if moves and moves.target == role else 0
+                    for _ in range(0 if target is None else target - len(self.pools[role]) - moved_in):
                         new.append(self._place(role))
                 for slot in new:
                     self._wait_ready(slot)
@@ -137,12 +142,19 @@ class Controller:
             if leaving:
                 self._push_membership()  # out of routing now; the rounds go on while they drain
         ready_s = time.monotonic() - t0
+        movers = [s for s in leaving if moves and s.role == moves.source][:moves.count if moves else 0]
         for slot in leaving:  # outside the lock: a slow drain holds up no health round
-            self._drain(slot)
-        self._log_scale(before, targets, ready_s, time.monotonic() - t0)
+            drained = self._drain(slot)
+            if slot in movers and drained.end is DrainEnd.EMPTY and self._change_role(slot, moves.target):
+                continue
+            self._retire(slot, drained)
+            if slot in movers:  # its role did not change: the move is a cold start after all
+                self._add_cold(moves.target)
+        self._log_scale(before, targets, ready_s, time.monotonic() - t0, moves)
         return self.status()
 
-    def _log_scale(self, before: dict[str, int], targets: dict[str, int | None], ready_s: float, seconds: float) -> None:
+    def _log_scale(self, before: dict[str, int], targets: dict[str, int | None], ready_s: float, seconds: float,
+                   moves: Moves | None) -> None:
         """The move, once done: its kind (a metric label) and how long it took, start to end."""
         grew = [r for r, t in targets.items() if t is not None and t > before[r]]
         shrank = [r for r, t in targets.items() if t is not None and t < before[r]]
@@ -151,8 +163,9 @@ class Controller:
         kind = "move" if grew and shrank else "out" if grew else "in"
         metrics.SCALE_SECONDS.labels(kind).observe(seconds)
         sizes = ", ".join(f"{r} {before[r]} -> {t}" for r, t in targets.items() if t is not None and t != before[r])
-        self._event(f"scale ({kind}: {sizes}) done in {seconds:.1f}s: new workers ready after {ready_s:.1f}s, "
-                    f"leaving ones drained and stopped {seconds - ready_s:.1f}s later")
+        moved = f", {moves.count} moved in place ({moves.source} -> {moves.target})" if moves else ""
+        self._event(f"scale ({kind}: {sizes}{moved}) done in {seconds:.1f}s: new workers ready after {ready_s:.1f}s, "
+                    f"leaving ones drained (and moved or stopped) {seconds - ready_s:.1f}s later")
 
     def status(self) -> dict:
         """A snapshot, without the lock: a scale in progress (workers starting or draining,
@@ -218,8 +231,8 @@ class Controller:
         slot.state = SlotState.READY
         self._event(f"{slot.role} worker {slot.worker_id}: ready on {slot.address}")
 
-    def _drain(self, slot: Slot) -> None:
-        """Out of the gateway's membership already; stopped once it confirms it holds
+    def _drain(self, slot: Slot) -> Drained:
+        """Out of the gateway's membership already; drained until it confirms it holds
         nothing (deploy/drain.py). A slow worker is given the time its requests take; only
         a wedged one, a dead one or the user's bound `drain_timeout_s` cuts the drain short."""
         who = f"{slot.role} worker {slot.worker_id}"
@@ -236,12 +249,60 @@ class Controller:
             self._event(f"{who}: its process ended while draining")
         metrics.DRAINS.labels(slot.role, drained.end.value).inc()
         metrics.DRAIN_SECONDS.labels(slot.role).observe(drained.seconds)
+        return drained
+
+    def _retire(self, slot: Slot, drained: Drained) -> None:
+        """A drained worker leaves: its process stopped, its host and placement freed."""
         bound = self._stop_bound_s(slot)
         _quietly(lambda: ray.get(slot.host.stop.remote(bound), timeout=bound + 30))
         self._remove(slot)
         with self.lock:
             self.draining = [s for s in self.draining if s is not slot]
-        self._event(f"{who}: removed ({drained.end.value} after {drained.seconds:.1f}s of draining)")
+        self._event(f"{slot.role} worker {slot.worker_id}: removed ({drained.end.value} after {drained.seconds:.1f}s "
+                    "of draining)")
+
+    def _change_role(self, slot: Slot, role: str) -> bool:
+        """A drained worker becomes a `role` worker in its own process, weights kept
+        (deploy/role_change.py), and joins that pool; False if it did not (it is then still
+        draining, for `_retire`)."""
+        was = f"{slot.role} worker {slot.worker_id}"
+        with self.lock:
+            worker_id = str(self.next_id[role])
+            self.next_id[role] += 1
+        t0 = time.monotonic()
+        try:
+            report = change_role(self._stub(slot), slot.host, role, worker_id, self._pool(role).worker_args(),
+                                 call_timeout_s=loop_wait_s(slot.stall_bound_s) + self.config.health_timeout_s,
+                                 ready_timeout_s=self.config.ready_timeout_s)
+        except RoleChangeFailed as e:
+            metrics.ROLE_CHANGES.labels(slot.role, role, "failed").inc()
+            self._event(f"{was}: could not become a {role} worker ({str(e).splitlines()[0]}); "
+                        f"a new {role} worker starts instead")
+            return False
+        seconds = time.monotonic() - t0
+        metrics.ROLE_CHANGES.labels(slot.role, role, "done").inc()
+        metrics.ROLE_CHANGE_SECONDS.labels(role).observe(seconds)
+        with self.lock:
+            self.draining = [s for s in self.draining if s is not slot]
+            self._adopt(slot, report)
+            slot.role, slot.worker_id, slot.stall_bound_s = role, worker_id, 0.0
+            self.pools[role].append(slot)
+            self._push_membership()
+        self._event(f"{was}: is {role} worker {worker_id} now, ready on {slot.address}: role changed in place "
+                    f"in {seconds:.1f}s, weights kept")
+        return True
+
+    def _add_cold(self, role: str) -> None:
+        """One new worker of `role`, started from nothing, in the pool once ready."""
+        slot = self._place(role)
+        try:
+            self._wait_ready(slot)
+        except Exception:
+            self._remove(slot)
+            raise
+        with self.lock:
+            self.pools[role].append(slot)
+            self._push_membership()
 
     def _ask_drain(self, slot: Slot) -> Holdings | None:
         """The Drain RPC: what the worker holds (it takes nothing new from the first call on;
@@ -267,6 +328,14 @@ class Controller:
         """How long the worker's host waits after SIGTERM before SIGKILL: the bound the worker's
         own shutdown is derived from (its stall bound, from its measured steps)."""
         return shutdown_bound_s(slot.stall_bound_s)
+
+    def _adopt(self, slot: Slot, report: HostReport) -> None:
+        """The slot's worker is now the one `report` describes (a new incarnation, address)."""
+        old = self.channels.pop(slot.address, None)
+        if old is not None and report.address != slot.address:
+            old.close()
+        slot.report, slot.address, slot.incarnation = report, report.address, report.incarnation
+        slot.node_id, slot.failures, slot.state = report.node_id, 0, SlotState.READY
 
     def _remove(self, slot: Slot) -> None:
         _quietly(lambda: ray.kill(slot.host, no_restart=True))
@@ -305,9 +374,10 @@ class Controller:
         elif decision.action is Action.WAIT:
             slot.state = SlotState.RESTARTING
             _quietly(lambda: ray.get(slot.host.ready.remote(0.5), timeout=10))
+        elif decision.action is Action.RESTORE_ROLE:
+            self._restore_role(slot, report)
         elif decision.action is Action.ADOPT:
-            slot.report, slot.address, slot.incarnation = report, report.address, report.incarnation
-            slot.node_id, slot.failures, slot.state = report.node_id, 0, SlotState.READY
+            self._adopt(slot, report)
             slot.restarts += 1
             metrics.HEALTH_VERDICTS.labels(slot.role, "adopted").inc()
             self._event(f"{slot.role} worker {slot.worker_id}: incarnation {slot.incarnation} ready on "
@@ -323,6 +393,28 @@ class Controller:
             decision = judge_health(slot.failures, self.config.unhealthy_after)
             if decision.action is Action.RESTART:
                 self._restart(slot, decision.why)
+
+    def _restore_role(self, slot: Slot, report: HostReport) -> None:
+        """A host Ray restarted starts its process in the role it was placed with; a worker
+        that has moved since is put back in its pool's role (a new incarnation of it)."""
+        birth = report.role
+        self._event(f"{slot.role} worker {slot.worker_id}: its restarted host started it as {birth} worker "
+                    f"{report.worker_id}; changing it back to {slot.role}")
+        slot.state, slot.address = SlotState.RESTARTING, report.address
+        try:
+            self._stub(slot).Drain(pb.DrainRequest(), timeout=self.config.health_timeout_s)  # new: it holds nothing
+            report = change_role(self._stub(slot), slot.host, slot.role, slot.worker_id,
+                                 self._pool(slot.role).worker_args(), call_timeout_s=self.config.health_timeout_s,
+                                 ready_timeout_s=self.config.ready_timeout_s)
+        except (grpc.RpcError, RoleChangeFailed) as e:
+            metrics.ROLE_CHANGES.labels(birth, slot.role, "failed").inc()
+            self._restart(slot, f"could not put it back in its role ({str(e).splitlines()[0]})")
+            return
+        metrics.ROLE_CHANGES.labels(birth, slot.role, "restored").inc()
+        self._adopt(slot, report)
+        slot.restarts += 1
+        metrics.HEALTH_VERDICTS.labels(slot.role, "adopted").inc()
+        self._event(f"{slot.role} worker {slot.worker_id}: incarnation {slot.incarnation} ready on {slot.address}")
 
     def _restart(self, slot: Slot, why: str) -> None:
         self._event(f"{slot.role} worker {slot.worker_id}: {why}; replacing it with a new incarnation")

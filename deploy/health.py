@@ -19,6 +19,7 @@ class Action(enum.Enum):
     HOST_LOST = "host lost"  # the actor is gone: Ray restarts it; out of the membership meanwhile
     WAIT = "wait"  # a new incarnation is starting
     ADOPT = "adopt"  # a new incarnation serves: it replaces the old in the membership
+    RESTORE_ROLE = "restore role"  # a new incarnation serves the role it was first placed with, not its pool's
     RESTART = "restart"  # kill the host; Ray starts a fresh one
     CHECK = "check"  # alive and known: ask its deep health
 
@@ -34,6 +35,9 @@ def judge_report(slot: Slot, report: HostReport | None) -> Decision:
     if report is None:
         return Decision(Action.HOST_LOST)
     if report.incarnation != slot.incarnation:  # a restarted host: a new process
+        if report.address and report.role and (report.role, report.worker_id) != (slot.role, slot.worker_id):
+            # it had moved pools (deploy/role_change.py): it starts as what it was placed as
+            return Decision(Action.RESTORE_ROLE, f"its restarted host serves as {report.role} worker {report.worker_id}")
         if report.address:
             return Decision(Action.ADOPT)
         if not report.alive:

@@ -1,5 +1,5 @@
-"""Ray actors that host pdserve's processes: one worker (`python -m prefill|decode`) or the
-gateway (`python -m gateway`) each.
+"""Ray actors that host pdserve's processes: one worker (`python -m deploy.role_process`,
+a prefill or decode worker that can change role) or the gateway (`python -m gateway`) each.
 
 The process is a child of the actor, not the actor itself: it keeps its own signal
 handling, torch threads and NIXL agent, and its log goes to a file on its node. The child
@@ -26,7 +26,6 @@ from deploy.process_log import RotatingLog, log_root
 from deploy.slot import HostReport
 from worker.parent_watch import ENV as PARENT_ENV
 
-_READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
 _ADMIN = re.compile(r"^admin on (\S+):(\d+)$", re.MULTILINE)
 LOG_ROOT = log_root()
 
@@ -69,7 +68,12 @@ def _node_ip() -> str:
 
 @ray.remote(max_restarts=-1, max_concurrency=4)
 class WorkerHost:
-    """One prefill or decode worker process, bound to this node's cluster-internal address."""
+    """One prefill or decode worker process, bound to this node's cluster-internal address.
+
+    The process can change role in place (deploy/role_process.py): after the controller's
+    ChangeRole, `became` waits for the new worker's ready line. A host Ray restarts runs
+    this constructor again, so its new process starts in the role it was first placed
+    with; its report says which, and the controller changes it back (deploy/health.py)."""
 
     def __init__(self, role: str, worker_id: str, model: str, dtype: str, args: list[str], log_dir: str,
                  env: dict[str, str]):
@@ -77,31 +81,47 @@ class WorkerHost:
         self.incarnation = int(time.time() * 1000)
         self.address = ""
         threads = args[args.index("--threads") + 1] if "--threads" in args else "1"
-        cmd = [sys.executable, "-m", role, "--model", model, "--dtype", dtype, "--host", _node_ip(), "--port", "0",
-               "--worker-id", worker_id, "--incarnation", str(self.incarnation), *args]
+        cmd = [sys.executable, "-m", "deploy.role_process", "--role", role, "--model", model, "--dtype", dtype,
+               "--host", _node_ip(), "--port", "0", "--worker-id", worker_id, "--incarnation", str(self.incarnation),
+               *args]
         log = Path(log_dir) / f"{role}-{worker_id}-{self.incarnation}.log"
         self.process = HostedProcess(cmd, log, {**env, "OMP_NUM_THREADS": threads})
 
     def ready(self, timeout_s: float) -> str:
         """Block until the worker prints its address; raise with its log tail if it cannot start."""
-        deadline = time.monotonic() + timeout_s
         while not self.address:
-            m = _READY.search(self.process.log_path.read_text(errors="replace"))
+            self.address = self._wait_ready(timeout_s)
+        return self.address
+
+    def became(self, role: str, worker_id: str, incarnation: int, timeout_s: float) -> HostReport:
+        """After a ChangeRole the worker accepted: wait for the new worker's ready line (its
+        warm-up); raise with the log's tail if the process ended or took longer."""
+        self.role, self.worker_id, self.incarnation, self.address = role, worker_id, incarnation, ""
+        self.ready(timeout_s)
+        return self.info()
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        """The address in this incarnation's ready line: `<role>-<id>-<incarnation> ready on
+        host:port` (`<role>-<id>` for a worker without a NIXL agent)."""
+        deadline = time.monotonic() + timeout_s
+        name = f"{re.escape(self.role)}-{re.escape(self.worker_id)}(?:-{self.incarnation})?"
+        line = re.compile(rf"^{name} ready on (\S+):(\d+)$", re.MULTILINE)
+        while True:
+            m = line.search(self.process.log_path.read_text(errors="replace"))
             if m:
-                self.address = f"{m.group(1)}:{m.group(2)}"
-            elif not self.process.alive():
+                return f"{m.group(1)}:{m.group(2)}"
+            if not self.process.alive():
                 raise RuntimeError(f"{self.role} worker {self.worker_id} exited with "
                                    f"{self.process.proc.returncode}:\n{self.process.tail()}")
-            elif time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.role} worker {self.worker_id} not ready in {timeout_s:.0f}s:\n"
                                    f"{self.process.tail()}")
-            else:
-                time.sleep(0.1)
-        return self.address
+            time.sleep(0.1)
 
     def info(self) -> HostReport:
         return HostReport(self.address, self.process.alive(), self.process.proc.pid, os.getpid(), self.incarnation,
-                          ray.get_runtime_context().get_node_id(), str(self.process.log_path))
+                          ray.get_runtime_context().get_node_id(), str(self.process.log_path), self.role,
+                          self.worker_id)
 
     def stop(self, timeout_s: float) -> int:
         """SIGTERM; SIGKILL past `timeout_s`, the worker's shutdown bound (the controller's)."""

@@ -33,6 +33,13 @@ SCALE_SECONDS = Histogram("pdserve_scale_seconds", "A scale from its decision to
                           "leaving ones drained and stopped), by kind: out, in, or move (one pool grows as the "
                           "other shrinks: the online planner's)", ["kind"], registry=REGISTRY,
                           buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+ROLE_CHANGES = Counter("pdserve_role_changes", "Workers that changed pool in place, their weights kept (a move "
+                       "without a cold start), by outcome: done, failed (a cold start replaced it), restored (a "
+                       "restarted host's process put back in the pool it had moved to)",
+                       ["from_pool", "to_pool", "outcome"], registry=REGISTRY)
+ROLE_CHANGE_SECONDS = Histogram("pdserve_role_change_seconds", "A role change from its ChangeRole call to the worker "
+                                "ready in its new pool (drain not included)", ["to_pool"], registry=REGISTRY,
+                                buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300))
 
 STATES = ("starting", "ready", "restarting", "draining")
 for _pool in ("prefill", "decode"):  # every series present from the first push, at 0
@@ -42,6 +49,10 @@ for _pool in ("prefill", "decode"):  # every series present from the first push,
         HEALTH_VERDICTS.labels(_pool, _verdict)
     for _end in ("empty", "gone", "wedged", "bound"):
         DRAINS.labels(_pool, _end)
+for _from, _to in (("prefill", "decode"), ("decode", "prefill")):
+    ROLE_CHANGE_SECONDS.labels(_to)
+    for _outcome in ("done", "failed", "restored"):
+        ROLE_CHANGES.labels(_from, _to, _outcome)
 for _kind in ("out", "in", "move"):
     SCALE_SECONDS.labels(_kind)
 for _decision in ("hold", "scale"):

@@ -29,6 +29,8 @@ class HostReport:
     incarnation: int  # a restarted host starts a new one
     node_id: str
     log: str
+    role: str = ""  # what the process serves: a restarted host starts it in the role it was placed with
+    worker_id: str = ""
 
 
 @dataclass

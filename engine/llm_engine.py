@@ -100,15 +100,19 @@ class StepResult:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, model: CausalLM | None = None):
+        """Loads the weights from `config.model_path`, or runs `model`: the weights of another
+        engine of the same model, dtype and device (`over_weights_of`)."""
         self.config = config
         self._on_cuda = torch.device(config.device).type == "cuda"  # steps record a KV-written event
         t0 = time.perf_counter()
         if not self._on_cuda:
             keep_freed_memory()
-        model = CausalLM(config.model, config.dtype, config.device)
-        load_weights(model, config.model_path)
-        model.prepare()
+        weights = "kept"
+        if model is None:
+            model, weights = CausalLM(config.model, config.dtype, config.device), "loaded"
+            load_weights(model, config.model_path)
+            model.prepare()
         num_blocks = config.cache.resolve_num_blocks(config.model.kv_bytes_per_token(config.dtype))
         # One physical block more than the manager hands out: the deep-health probe's scratch.
         self.kv_cache = KVCache(config.model, num_blocks + 1, config.cache.block_size, config.dtype, config.device)
@@ -123,8 +127,8 @@ class LLMEngine:
         self._probe_block = num_blocks
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        log.info("engine ready in %.1fs: %s %s, %d KV blocks of %d tokens (%.0f MiB)",
-                 time.perf_counter() - t0, config.model.name, config.dtype, num_blocks,
+        log.info("engine ready in %.1fs: %s %s (weights %s), %d KV blocks of %d tokens (%.0f MiB)",
+                 time.perf_counter() - t0, config.model.name, config.dtype, weights, num_blocks,
                  config.cache.block_size, self.kv_cache.total_bytes / 2**20)
 
     @classmethod
@@ -144,6 +148,20 @@ class LLMEngine:
             raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
                              f"limit of {model_cfg.max_model_len}")
         return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched))
+
+    def over_weights_of(self, cache: CacheConfig, scheduler: SchedulerConfig) -> LLMEngine:
+        """A new engine, with its own KV pool and scheduler sized by `cache` and `scheduler`,
+        over this engine's loaded weights (a worker changing role keeps them: no load).
+        This engine must hold nothing; it is not usable afterwards (its model is shared)."""
+        if self.has_unfinished() or self.num_held():
+            raise RuntimeError(f"an engine holding {self.num_unfinished()} requests and {self.num_held()} held "
+                               "block sets cannot hand its weights over")
+        if scheduler.max_model_len > self.config.model.max_model_len:
+            raise ValueError(f"max_model_len={scheduler.max_model_len} exceeds the model's "
+                             f"limit of {self.config.model.max_model_len}")
+        model, config = self.model, replace(self.config, cache=cache, scheduler=scheduler)
+        self.model = self.runner = self.kv_cache = None  # its KV pool is freed before the new one is made
+        return LLMEngine(config, model)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, remote_prefill: bool = False, hold_blocks: bool = False,

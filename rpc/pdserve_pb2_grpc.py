@@ -293,6 +293,11 @@ class WorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ChangeRole = channel.unary_unary(
+                '/pdserve.v1.Worker/ChangeRole',
+                request_serializer=rpc_dot_pdserve__pb2.ChangeRoleRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.ChangeRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -332,6 +337,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -359,6 +370,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=rpc_dot_pdserve__pb2.DrainRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'ChangeRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeRole,
+                    request_deserializer=rpc_dot_pdserve__pb2.ChangeRoleRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.ChangeRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -500,6 +516,33 @@ class Worker:
             '/pdserve.v1.Worker/Drain',
             rpc_dot_pdserve__pb2.DrainRequest.SerializeToString,
             rpc_dot_pdserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/ChangeRole',
+            rpc_dot_pdserve__pb2.ChangeRoleRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.ChangeRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -160,6 +160,60 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
     assert "Paris" in reply.choices[0].message.content
 
 
+def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded):
+    """1 prefill + 1 decode -> 0 + 2 -> 1 + 1 under load: each move drains a worker and changes
+    its role in its own process (weights kept, no new worker placed). Between the two, the
+    moved worker's host is killed: Ray restarts it as what it was placed as (a prefill
+    worker) and the controller puts it back in the decode pool. No request fails."""
+    url, address, log = embedded
+    moved = deployment_status(address)["pools"]["prefill"][0]
+    stop, results = threading.Event(), []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        loads = [pool.submit(_load, url, stop, results) for _ in range(2)]
+        try:
+            to_decode = pdserve("scale", "--address", address, "--prefill", "0", "--decode", "2", timeout=240)
+            assert to_decode.returncode == 0, to_decode.stderr
+            now = deployment_status(address)["pools"]
+            assert now["prefill"] == [] and len(now["decode"]) == 2, now
+            became = now["decode"][-1]  # the same process and host; a new worker id and address
+            assert (became["pid"], became["host_pid"]) == (moved["pid"], moved["host_pid"]), (moved, became)
+            assert became["address"] != moved["address"] and became["state"] == "ready"
+            served = len(results)
+            wait_for(lambda: len(results) > served + 4, 60, "requests served by two decode workers")
+
+            os.kill(became["host_pid"], signal.SIGKILL)  # Ray restarts the host: its process starts as prefill
+
+            def restored():
+                now = deployment_status(address)["pools"]["decode"][-1]
+                return now["state"] == "ready" and now["incarnation"] != became["incarnation"] and now
+            after = wait_for(restored, 180, "the moved worker back in the decode pool", log)
+            assert after["worker_id"] == became["worker_id"] and after["host_pid"] != became["host_pid"]
+            served = len(results)
+            wait_for(lambda: len(results) > served + 4, 60, "requests served after the restore")
+
+            back = pdserve("scale", "--address", address, "--prefill", "1", "--decode", "1", timeout=240)
+            assert back.returncode == 0, back.stderr
+            now = deployment_status(address)["pools"]
+            assert now["prefill"][0]["pid"] == after["pid"] and len(now["decode"]) == 1, now
+            served = len(results)
+            wait_for(lambda: len(results) > served + 2, 60, "requests served after the move back")
+        finally:
+            stop.set()
+        for f in loads:
+            f.result()
+    assert results and set(results) == {200}, results
+    text = log.read_text()
+    assert text.count("role changed in place") == 2 and "moved in place (prefill -> decode)" in text, text[-3000:]
+    assert "changing it back to decode" in text, text[-3000:]
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    for source, target, outcome in (("prefill", "decode", "done"), ("decode", "prefill", "done"),
+                                    ("prefill", "decode", "restored")):
+        wanted = (f'from_pool="{source}"', f'to_pool="{target}"', f'outcome="{outcome}"')
+        series = [line for line in metrics.splitlines()
+                  if line.startswith("pdserve_role_changes_total{") and all(w in line for w in wanted)]
+        assert series and float(series[0].split()[-1]) == 1.0, (wanted, metrics)
+
+
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
     """Every working step lasting at least 2.5 s (PDSERVE_FAULT_STEP_FLOOR_S: a slow host,
     the same on any real one) and the prefill worker saturated with long prompts, under a

@@ -10,8 +10,8 @@ def _slot(incarnation: int = 5) -> Slot:
     return Slot("decode", "0", pg=None, host=None, state=SlotState.READY, address="127.0.0.1:1", incarnation=incarnation)
 
 
-def _report(incarnation: int = 5, address: str = "127.0.0.1:1", alive: bool = True) -> HostReport:
-    return HostReport(address, alive, 100, 99, incarnation, "node", "/log")
+def _report(incarnation: int = 5, address: str = "127.0.0.1:1", alive: bool = True, role: str = "decode") -> HostReport:
+    return HostReport(address, alive, 100, 99, incarnation, "node", "/log", role, "0")
 
 
 def test_each_report_leads_to_one_decision():
@@ -23,6 +23,10 @@ def test_each_report_leads_to_one_decision():
     assert judge_report(_slot(), _report(incarnation=6, address="127.0.0.1:2")).action is Action.ADOPT
     again = judge_report(_slot(), _report(incarnation=6, address="", alive=False))
     assert again.action is Action.RESTART and "new process" in again.why
+    # a worker that moved from prefill to decode, its host restarted by Ray: it starts as prefill again
+    birth = judge_report(_slot(), _report(incarnation=6, address="127.0.0.1:2", role="prefill"))
+    assert birth.action is Action.RESTORE_ROLE and "prefill" in birth.why
+    assert judge_report(_slot(), _report(incarnation=6, address="", role="prefill")).action is Action.WAIT
 
 
 def test_a_worker_is_replaced_only_after_unhealthy_after_failures_in_a_row():

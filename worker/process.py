@@ -1,9 +1,11 @@
 """What the prefill and decode worker processes share: flags, engine and agent set-up, the
-gRPC server, and a clean shutdown on SIGTERM / Ctrl-C."""
+gRPC server, a clean shutdown on SIGTERM / Ctrl-C, and the change of role in place
+(`main` with both roles: worker/role_change.py)."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
@@ -11,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -24,7 +27,9 @@ from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker.liveness import DEFAULT_STALL_FLOOR_S
+from worker.loop import EngineLoop
 from worker.parent_watch import watch_parent
+from worker.role_change import RoleChange, RoleChanges
 from worker.service import WorkerService
 
 log = logging.getLogger(__name__)
@@ -62,14 +67,14 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
-    model_len = ModelConfig.from_pretrained(path).max_model_len
-    engine = LLMEngine.from_folder(
-        path, args.dtype,
-        CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib),
-        SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, model_len, args.max_waiting),
-        eos,
-    )
-    return engine, path.name
+    cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
+    return LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos), path.name
+
+
+def engine_configs(args: argparse.Namespace, model_len: int) -> tuple[CacheConfig, SchedulerConfig]:
+    """The KV pool and scheduler a worker's flags ask for."""
+    return (CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib),
+            SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, model_len, args.max_waiting))
 
 
 def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: str) -> TransferAgent | None:
@@ -89,15 +94,86 @@ def rpc_threads(scheduler: SchedulerConfig) -> int:
     return scheduler.max_num_seqs + waiting + CONTROL_RPC_THREADS
 
 
-def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: int) -> None:
-    """Run the worker's loop and gRPC server until SIGTERM or Ctrl-C, then stop both."""
+@dataclass(frozen=True)
+class Serving:
+    """One role served by a process: its engine loop and what it adds to the gRPC server."""
+
+    worker: EngineLoop
+    add_servicers: Callable[[grpc.Server], None]
+
+
+@dataclass(frozen=True)
+class Role:
+    """How a process serves one role: its flags, and its worker over a built engine (with
+    the model folder's name: the agent's handshake names it)."""
+
+    name: str
+    arguments: Callable[[], argparse.ArgumentParser]
+    build: Callable[[argparse.Namespace, LLMEngine, str], Serving]
+
+
+def main(roles: dict[str, Role], role: str, argv: list[str] | None = None) -> None:
+    """A worker process: load the model once and serve `role` until SIGTERM. With more than
+    one role in `roles`, a ChangeRole the worker accepts (drained, holding nothing:
+    worker/role_change.py) ends this role and the same process serves the next one over the
+    same weights, on a new port (deploy/role_process.py)."""
+    args = roles[role].arguments().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, model = build_engine(args)
+    while True:
+        serving = roles[role].build(args, engine, model)
+        change = serve(serving.worker, serving.add_servicers, args.host, args.port, role_changes=len(roles) > 1)
+        if change is None or _stop.terminating:
+            return
+        log.info("%s: becoming %s worker %s over the same weights", serving.worker.name, change.role,
+                 change.worker_id)
+        kept = ["--model", args.model, "--dtype", args.dtype, "--host", args.host, "--port", "0"]
+        args = roles[change.role].arguments().parse_args(
+            [*kept, "--worker-id", change.worker_id, "--incarnation", str(change.incarnation), *change.args])
+        torch.set_num_threads(args.threads)
+        old, role = serving.worker.engine, change.role
+        del serving  # the old role's loop, agent and servicers: its KV pool goes with them
+        gc.collect()
+        engine = old.over_weights_of(*engine_configs(args, old.config.model.max_model_len))
+
+
+class _Stop:
+    """A process's end (SIGTERM, Ctrl-C, its host gone) or a role's end (an accepted role
+    change): either wakes the serve loop."""
+
+    def __init__(self):
+        self.wake = threading.Event()
+        self.terminating = False
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.terminate())
+        watch_parent(self.terminate)  # hosted by a Ray actor: end with it
+
+    def terminate(self) -> None:
+        self.terminating = True
+        self.wake.set()
+
+
+_stop = _Stop()
+
+
+def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: int,
+          role_changes: bool = False) -> RoleChange | None:
+    """Run the worker's loop and gRPC server until SIGTERM or Ctrl-C (returns None), or, with
+    `role_changes`, until a ChangeRole is accepted (returns it); then stop both."""
     token = internal_token()
     threads = rpc_threads(worker.engine.config.scheduler)
     log.info("%s: %d gRPC threads", worker.name, threads)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
                          interceptors=[ServerAuth(token)] if token else None, options=SERVER_KEEPALIVE)
     add_servicer(server)
-    pb_grpc.add_WorkerServicer_to_server(WorkerService(worker), server)  # TransferInfo, Health, Stats
+    changes = RoleChanges(worker, _stop.wake) if role_changes else None
+    pb_grpc.add_WorkerServicer_to_server(WorkerService(worker, changes), server)  # TransferInfo, Health, Stats...
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")
@@ -105,19 +181,22 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     worker.warm_up()  # before it is ready: the longest step to expect, measured, not assumed
     worker.start()
     server.start()
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    watch_parent(done.set)  # hosted by a Ray actor: end with it
+    _stop.install()
     print(f"{worker.name} ready on {host}:{bound}", file=sys.stderr, flush=True)
     # Woken every half second: a signal the kernel hands to another of the process's threads
     # (gRPC's, NIXL's) runs its Python handler only once this thread runs bytecode again, and
     # a wait with no timeout never returns to run it (a SIGTERM then went unanswered).
-    while not done.wait(_SIGNAL_POLL_S):
+    while not _stop.wake.wait(_SIGNAL_POLL_S):
         pass
-    log.info("%s: shutting down", worker.name)
+    change = None if _stop.terminating or changes is None else changes.accepted
+    if change is None:
+        log.info("%s: shutting down", worker.name)
+    else:
+        _stop.wake.clear()
+        log.info("%s: stopping to become %s worker %s", worker.name, change.role, change.worker_id)
     worker.shutdown()  # the loop and its pushes first, then the server
     server.stop(grace=worker.loop_wait_s()).wait()  # ends as soon as the last calls have their answers
     log.info("%s: stopped", worker.name)
     if worker.agent is not None:
         worker.agent.close()
+    return change

@@ -1,5 +1,5 @@
 """The `Worker` gRPC service both roles answer the same way: TransferInfo, Health, Stats,
-Metrics, Drain.
+Metrics, Drain, ChangeRole.
 Registered by worker/process.py next to the role's own service, on the same port."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from prometheus_client import REGISTRY, generate_latest
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import health_to_pb, stats_to_pb
+from worker.role_change import RoleChange, RoleChanges
 
 # An idle worker's probe is one token through the loop, which picks it up within a
 # millisecond; past this wait (or the call's deadline) the loop's own heartbeat decides.
@@ -17,10 +18,12 @@ DEEP_HEALTH_PROBE_WAIT_S = 5.0
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """For an EngineLoop with `name`, `agent` and `kv_blocks_transferred`."""
+    """For an EngineLoop with `name`, `agent` and `kv_blocks_transferred`; `role_changes`
+    where the process can serve either role (None: ChangeRole is not implemented)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker, role_changes: RoleChanges | None = None):
         self.worker = worker
+        self.role_changes = role_changes
 
     def TransferInfo(self, request: pb.TransferInfoRequest, context: grpc.ServicerContext) -> pb.TransferInfoResponse:
         agent = self.worker.agent
@@ -55,3 +58,15 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.DrainResponse(worker=self.worker.name, holds_nothing=h.empty, open_calls=h.open_calls,
                                 requests=h.requests, awaiting_kv=h.awaiting_kv, held_blocks=h.held_blocks,
                                 stall_bound_s=self.worker.liveness.bound_s)
+
+    def ChangeRole(self, request: pb.ChangeRoleRequest, context: grpc.ServicerContext) -> pb.ChangeRoleResponse:
+        """Become a worker of `request.role` in this process, weights kept (worker/role_change.py)."""
+        if self.role_changes is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                          f"{self.worker.name} runs as `python -m <role>`, which serves one role; "
+                          "a process started by `python -m deploy.role_process` can change it")
+        why = self.role_changes.ask(RoleChange(request.role, request.worker_id, request.incarnation,
+                                               tuple(request.args)))
+        if why:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        return pb.ChangeRoleResponse(worker=self.worker.name)
