@@ -29,18 +29,18 @@ import logging
 import os
 import threading
 import time
-import urllib.request
 
 import grpc
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deploy import metrics
 from deploy.config import DeployConfig, PoolConfig
 from deploy.drain import DrainEnd, Drained, drain, holdings_of
 from deploy.health import Action, judge_health, judge_report
-from deploy.hosts import LOG_ROOT, GatewayHost, WorkerHost
+from deploy.gateway_link import GatewayLink
+from deploy.hosts import LOG_ROOT, WorkerHost
 from deploy.planner_loop import PlannerLoop
 from deploy.role_change import Moves, RoleChangeFailed, change_role, in_place_moves
 from deploy.simulator import Pools
@@ -74,16 +74,15 @@ class Controller:
         self.draining: list[Slot] = []  # out of the pools and the routing, still finishing their work
         self._peers_sent: dict[str, list[str]] = {}  # prefill worker address -> the decode agents it was sent
         self.next_id = {"prefill": 0, "decode": 0}
-        self.gateway: ray.actor.ActorHandle | None = None
-        self.gateway_started = 0.0
+        self.gateway = GatewayLink(self.config, self._event)
         self.events: list[str] = []
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.channels: dict[str, grpc.Channel] = {}
         self.loop: threading.Thread | None = None
         self.planner_loop: threading.Thread | None = None
-        self.planner = PlannerLoop(self.config.planner, self._gateway_url, self._pool_sizes, self.scale, self._event,
-                                   self.stopping)
+        self.planner = PlannerLoop(self.config.planner, lambda: self.gateway.url, self._pool_sizes, self.scale,
+                                   self._event, self.stopping)
 
     # ---- what the CLI calls -------------------------------------------------------------
 
@@ -91,9 +90,9 @@ class Controller:
         """Start the gateway and both pools; return when every worker is ready."""
         g = self.config.gateway
         self._event(f"logs on each node under {self.log_dir}")
-        self._start_gateway()
+        self.gateway.start(self.driver_node, self.admin_token, self.log_dir, self.child_env)
         self.scale(self.config.prefill.replicas, self.config.decode.replicas)
-        self._wait_gateway()
+        self.gateway.wait()
         self._push_membership()
         self.loop = threading.Thread(target=self._health_loop, name="health", daemon=True)
         self.loop.start()
@@ -145,7 +144,7 @@ class Controller:
         movers = [s for s in leaving if moves and s.role == moves.source][:moves.count if moves else 0]
         for slot in leaving:  # outside the lock: a slow drain holds up no health round
             drained = self._drain(slot)
-            if slot in movers and drained.end is DrainEnd.EMPTY and self._change_role(slot, moves.target):
+            if slot in movers and drained.end is DrainEnd.EMPTY and self._change_role(slot, moves.target, drained):
                 continue
             self._retire(slot, drained)
             if slot in movers:  # its role did not change: the move is a cold start after all
@@ -171,7 +170,7 @@ class Controller:
         """A snapshot, without the lock: a scale in progress (workers starting or draining,
         minutes on a slow host) must not make status wait."""
         pools = {role: list(slots) for role, slots in self.pools.items()}
-        return {"gateway": self._gateway_url(), "log_dir": self.log_dir, "planner": self.planner.last_plan,
+        return {"gateway": self.gateway.url, "log_dir": self.log_dir, "planner": self.planner.last_plan,
                 "pools": {role: [s.public() for s in slots] for role, slots in pools.items()}}
 
     def shutdown_bound_s(self) -> float:
@@ -189,10 +188,7 @@ class Controller:
             if thread is not None:
                 thread.join(timeout=30)
         with self.lock:
-            if self.gateway is not None:
-                _quietly(lambda: ray.get(self.gateway.stop.remote(), timeout=15))
-                ray.kill(self.gateway, no_restart=True)
-                self.gateway = None
+            self.gateway.stop()
             slots = [s for pool in self.pools.values() for s in pool]
             bound = max((self._stop_bound_s(s) for s in slots), default=0.0)
             _quietly(lambda: ray.get([s.host.stop.remote(self._stop_bound_s(s)) for s in slots], timeout=bound + 30))
@@ -261,7 +257,7 @@ class Controller:
         self._event(f"{slot.role} worker {slot.worker_id}: removed ({drained.end.value} after {drained.seconds:.1f}s "
                     "of draining)")
 
-    def _change_role(self, slot: Slot, role: str) -> bool:
+    def _change_role(self, slot: Slot, role: str, drained: Drained) -> bool:
         """A drained worker becomes a `role` worker in its own process, weights kept
         (deploy/role_change.py), and joins that pool; False if it did not (it is then still
         draining, for `_retire`)."""
@@ -288,8 +284,8 @@ class Controller:
             slot.role, slot.worker_id, slot.stall_bound_s = role, worker_id, 0.0
             self.pools[role].append(slot)
             self._push_membership()
-        self._event(f"{was}: is {role} worker {worker_id} now, ready on {slot.address}: role changed in place "
-                    f"in {seconds:.1f}s, weights kept")
+        self._event(f"{was}: drained in {drained.seconds:.1f}s, is {role} worker {worker_id} now, ready on "
+                    f"{slot.address}: role changed in place in {seconds:.1f}s, weights kept")
         return True
 
     def _add_cold(self, role: str) -> None:
@@ -357,7 +353,7 @@ class Controller:
     def _round(self) -> None:
         for slot in [s for pool in self.pools.values() for s in pool if s.state is not SlotState.DRAINING]:
             self._check(slot)
-        self._check_gateway()
+        self.gateway.check()
         self._push_membership()
 
     def _check(self, slot: Slot) -> None:
@@ -459,47 +455,7 @@ class Controller:
         with self.lock:
             return Pools(len(self.pools["prefill"]), len(self.pools["decode"]))
 
-    # ---- gateway ------------------------------------------------------------------------
-
-    def _start_gateway(self) -> None:
-        strategy = NodeAffinitySchedulingStrategy(self.driver_node, soft=False)  # where the user reaches it
-        slo = self.config.planner  # one SLO: the planner plans for it, the gateway counts goodput against it
-        args = [*self.config.gateway.args(), "--slo-ttft", str(slo.slo_ttft_s), "--slo-tpot", str(slo.slo_tpot_s)]
-        self.gateway = GatewayHost.options(num_cpus=0, scheduling_strategy=strategy).remote(
-            self.config.model, self.config.served_name, args, self.admin_token, self.log_dir, self.child_env)
-        self.gateway_started = ray.get(self.gateway.info.remote(), timeout=60)["started"]
-
-    def _gateway_url(self) -> str:
-        g = self.config.gateway
-        host = "127.0.0.1" if g.host in ("0.0.0.0", "::", "") else g.host
-        return f"http://{host}:{g.port}"
-
-    def _wait_gateway(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self._gateway_url()}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            info = ray.get(self.gateway.info.remote(), timeout=30)
-            if not info["alive"] or time.monotonic() > deadline:
-                tail = ray.get(self.gateway.tail.remote(), timeout=30)
-                raise RuntimeError(f"the gateway did not start on {self._gateway_url()}:\n{tail}")
-            time.sleep(0.2)
-
-    def _check_gateway(self) -> None:
-        try:
-            info = ray.get(self.gateway.info.remote(), timeout=10)
-        except Exception:
-            return  # Ray is restarting it
-        if info["started"] != self.gateway_started:
-            self.gateway_started = info["started"]
-            self._event("gateway restarted; pushing the workers to it")
-        elif not info["alive"]:
-            self._event("gateway process exited; restarting it")
-            ray.kill(self.gateway, no_restart=False)
+    # ---- membership ---------------------------------------------------------------------
 
     def _push_peers(self) -> None:
         """Every ready prefill worker learns the deployment's decode agents (the ready ones and
@@ -520,20 +476,12 @@ class Controller:
         """The prefill workers first, then the gateway: a decode worker is routed to only once
         the prefill workers take its KV destinations."""
         self._push_peers()
-        if self.gateway is None:
-            return
         ready = {role: [s.address for s in slots if s.state is SlotState.READY] for role, slots in self.pools.items()}
         counts: dict[tuple[str, str], int] = {}
         for slot in [s for pool in self.pools.values() for s in pool] + self.draining:
             counts[slot.role, slot.state.value] = counts.get((slot.role, slot.state.value), 0) + 1
         metrics.set_pools(counts)
-        try:  # through the actor on the gateway's node: the admin socket listens on its loopback only
-            failed = ray.get(self.gateway.push_membership.remote(ready["decode"], ready["prefill"],
-                                                                 metrics.exposition(), self.incarnation), timeout=30)
-        except Exception as e:  # the actor is restarting: the next round pushes again
-            failed = str(e)
-        if failed:
-            log.info("membership push failed: %s", failed)
+        self.gateway.push(ready["decode"], ready["prefill"], metrics.exposition(), self.incarnation)
 
     def _event(self, message: str) -> None:
         log.info(message)

@@ -39,3 +39,24 @@ def test_the_status_shows_states_as_their_names():
     slot.report = _report()
     assert slot.public()["state"] == "ready" and slot.public()["pid"] == 100
     assert _slot().public()["pid"] is None
+
+
+def test_a_move_is_in_place_only_between_pools_of_one_bundle():
+    from pathlib import Path
+
+    from deploy.config import DeployConfig
+    from deploy.role_change import Moves, in_place_moves
+
+    alike = DeployConfig()
+    assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, alike) == Moves("decode", "prefill", 1)
+    assert in_place_moves({"prefill": 1, "decode": 1}, {"prefill": 0, "decode": 3}, alike) == Moves("prefill", "decode", 1)
+    assert in_place_moves({"prefill": 1, "decode": 1}, {"prefill": None, "decode": 3}, alike) is None  # grows only
+    assert in_place_moves({"prefill": 2, "decode": 2}, {"prefill": 1, "decode": 1}, alike) is None  # shrinks only
+    off = DeployConfig.from_dict({"move_in_place": False})
+    assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, off) is None
+    apart = DeployConfig.from_dict({"prefill": {"resources": {"prefill": 1}}})
+    assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, apart) is None
+    configs = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+    gpu, multi = (DeployConfig.from_yaml(configs / f"{name}.yaml") for name in ("gpu-8x-node", "multi-node"))
+    assert in_place_moves({"prefill": 4, "decode": 4}, {"prefill": 5, "decode": 3}, gpu) == Moves("decode", "prefill", 1)
+    assert in_place_moves({"prefill": 4, "decode": 4}, {"prefill": 5, "decode": 3}, multi) is None  # nodes per pool

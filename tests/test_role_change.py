@@ -9,22 +9,54 @@ the same process, one weight load.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import grpc
 import httpx
 import pytest
 
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from tests.gateway_procs import gateway, metric_value
+from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import REPO, WorkerProc, start_workers, wait_idle
 
 ARGS = ["--dtype", "float32", "--kv-blocks", "256"]
 PROMPT = "The capital of France is"
 READY_GUARD_S = 180  # a guard against a hang, not a speed bound
+
+
+def _greedy_tokens(engine: LLMEngine, rid: str) -> list[int]:
+    engine.add_request(rid, list(range(3, 40)), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out.token_ids
+
+
+def test_an_engine_over_another_engines_weights_has_its_own_pool_and_the_same_tokens(tmp_path):
+    model = write_tiny_checkpoint(tmp_path, "llama-gqa", seed=5)
+    first = LLMEngine.from_folder(model, "float32", CacheConfig(16, 64), SchedulerConfig(64, 8, 512))
+    expected = _greedy_tokens(first, "a")
+    first.add_request("busy", [3, 4, 5], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="holding 1 requests"):
+        first.over_weights_of(CacheConfig(16, 32), SchedulerConfig(128, 4, 512))
+    first.abort_request("busy")
+    weights, pool = first.model, weakref.ref(first.kv_cache)
+    second = first.over_weights_of(CacheConfig(16, 32), SchedulerConfig(128, 4, 512))
+    gc.collect()
+    assert pool() is None  # the first pool is freed, not kept beside the new one
+    assert second.model is weights and second.num_kv_blocks == 32 and second.config.scheduler.max_num_seqs == 4
+    assert _greedy_tokens(second, "b") == expected
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        second.over_weights_of(CacheConfig(16, 32), SchedulerConfig(128, 4, 10**6))
 
 
 def _ready_address(log, name: str, proc: subprocess.Popen, timeout_s: float = READY_GUARD_S) -> str:
