@@ -7,6 +7,12 @@ from collections.abc import Sequence
 from engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+# A UTF-8 character is at most 4 bytes and a byte-level token at least one: more held ids
+# than this, all still ending in U+FFFD, are bytes no later token can complete (a model
+# that samples lone-byte tokens). They are emitted then, so the window, which every step
+# decodes whole, stays this short: without the bound each new token re-decoded the whole
+# output (quadratic work on the gateway's event loop).
+MAX_HELD = 8
 
 
 class IncrementalDetokenizer:
@@ -35,11 +41,27 @@ class IncrementalDetokenizer:
         self._ids.extend(new_token_ids)
         prefix_text = self._decode(self._ids[: self._read])
         text = self._decode(self._ids)
-        if len(text) <= len(prefix_text) or text.endswith(_REPLACEMENT):
+        if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT):
+            return self._emit(len(self._ids), text, prefix_text)
+        if len(self._ids) - self._read <= MAX_HELD:
             return ""
-        # The emitted ids become the next window's context; older ones are no longer needed.
-        self._ids = self._ids[self._read :]
+        # Held too long: emit up to the last id after which the text is whole, or, with no
+        # such id (a run of stray bytes), all but the last 3 (the most of a character that
+        # later ids could still complete).
+        for end in range(len(self._ids) - 1, self._read, -1):
+            head = self._decode(self._ids[:end])
+            if len(head) > len(prefix_text) and not head.endswith(_REPLACEMENT):
+                return self._emit(end, head, prefix_text)
+        end = len(self._ids) - 3
+        return self._emit(end, self._decode(self._ids[:end]), prefix_text)
+
+    def _emit(self, end: int, text: str, prefix_text: str) -> str:
+        """The text of ids[:end] past what was emitted; those ids become the next window's
+        context (older ones are no longer needed)."""
+        held = self._ids[end:]
+        self._ids = self._ids[self._read : end]
         self._read = len(self._ids)
+        self._ids += held
         return text[len(prefix_text) :]
 
     def flush(self) -> str:

@@ -89,3 +89,21 @@ def test_unrepresentable_character_streams_like_the_full_decode(tokenizer):
     ids = tokenizer.encode("a\U00040000b", add_special_tokens=False)
     pieces = stream(tokenizer, [[i] for i in ids])
     assert "".join(pieces) == tokenizer.decode(ids) == "a\ufffd\ufffd\ufffdb"
+
+
+def test_stray_byte_tokens_keep_the_window_short_and_stream_like_the_full_decode(tokenizer):
+    """SmolLM2 has tokens that decode to a lone U+FFFD (one byte of a character): a model
+    sampling them (a logit_bias on one) must not make every step re-decode the whole output."""
+    from engine.detokenizer import MAX_HELD
+
+    lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]
+    assert len(lone) > 50
+    ids = [lone[i % len(lone)] for i in range(400)] + tokenizer.encode(" then text 🙂", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces, longest = [], 0
+    for i in ids:
+        pieces.append(detok.step([i]))
+        longest = max(longest, len(detok._ids))
+    pieces.append(detok.flush())
+    assert longest <= 2 * MAX_HELD + 2  # emitted context + held: not the whole output
+    assert "".join(pieces) == tokenizer.decode(ids)
