@@ -149,7 +149,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if len(messages) > path.max_prompt():  # each message is a token at least: no need to render them
             raise APIError(413, f"{len(messages)} messages cannot fit in this model's limit of {path.max_prompt()} "
                                 "prompt tokens", "messages")
-        _shed_before_tokenizing(tenant, "chat")
+        _shed_before_tokenizing(tenant, "chat", body.n)
         try:
             prompt = await asyncio.to_thread(_chat_ids, messages, tools.render if tools else None)
         except ChatTemplateError as e:
@@ -162,7 +162,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         tenant = config.tenants.authenticate(request.headers.get("authorization"))
         _check_model(body.model)
-        _shed_before_tokenizing(tenant, "completions")
+        _shed_before_tokenizing(tenant, "completions", body.n)
         if isinstance(body.prompt, str):
             try:
                 prompt = await asyncio.to_thread(tokenizer.encode, body.prompt)
@@ -174,14 +174,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
                 raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
         return await path.serve("completion", body, prompt, tenant, request)
 
-    def _shed_before_tokenizing(tenant, endpoint: str) -> None:
+    def _shed_before_tokenizing(tenant, endpoint: str, choices: int) -> None:
         """What would be refused whatever the prompt is refused before the prompt is
-        tokenized (up to a megabyte of text): a tenant at its concurrency limit, an overload."""
+        tokenized (up to a megabyte of text): a tenant at its concurrency limit (its
+        choices each count), an overload."""
         try:
-            tenant.check_concurrency()
+            tenant.check_concurrency(choices)
             admission.check()
-        except APIError:
-            REQUESTS.labels(endpoint, "429").inc()
+        except APIError as e:
+            REQUESTS.labels(endpoint, str(e.status)).inc()
             raise
 
     def _chat_ids(messages: list[dict], tools: list[dict] | None) -> list[int]:

@@ -62,15 +62,16 @@ class WorkerUnavailable(APIError):
 class Claims:
     """What one request holds while it is served; `release()` gives it all back, once."""
 
-    def __init__(self, tenant: Tenant, admission: Admission, cost: int, prompt_tokens: int):
+    def __init__(self, tenant: Tenant, admission: Admission, cost: int, prompt_tokens: int, choices: int = 1):
         self.tenant, self.admission, self.cost, self.prompt_tokens = tenant, admission, cost, prompt_tokens
+        self.choices = choices  # sequences on the decode worker: each counts against the tenant's limit
         self.ticket: Ticket | None = None
         self.worker: WorkerState | None = None
         self._tenant_held = self._released = False
 
     def take(self, kv_room: bool) -> None:
         """The tenant's slot, then an admission ticket; on a refusal (429) nothing is held."""
-        self.tenant.admit(self.cost)
+        self.tenant.admit(self.cost, self.choices)
         self._tenant_held = True
         try:
             self.ticket = self.admission.admit(self.prompt_tokens, kv_room=kv_room)
@@ -79,7 +80,7 @@ class Claims:
             raise
 
     def on(self, worker: WorkerState) -> None:
-        """The request now counts on `worker` (its cost, and its prompt until the next Stats)."""
+        """The request now counts on `worker` (its cost, and its prompt's KV until it ends)."""
         self.worker = worker
         worker.outstanding_tokens += self.cost
         worker.kv_claimed_tokens += self.prompt_tokens
@@ -89,7 +90,7 @@ class Claims:
         w, self.worker = self.worker, None
         if w is not None:
             w.outstanding_tokens -= self.cost
-            w.kv_claimed_tokens = max(0, w.kv_claimed_tokens - self.prompt_tokens)
+            w.kv_claimed_tokens -= self.prompt_tokens
 
     def first_token(self) -> None:
         if self.ticket is not None:
@@ -99,11 +100,9 @@ class Claims:
         if self._released:
             return
         self._released = True
-        if self.worker is not None:
-            self.worker.outstanding_tokens -= self.cost
-            self.worker = None
+        self.off()
         if self._tenant_held:
-            self.tenant.release(self.cost)
+            self.tenant.release(self.cost, self.choices)
         if self.ticket is not None:
             self.admission.first_token(self.ticket, served=False)  # a no-op once it was served
 
@@ -163,11 +162,11 @@ class RequestPath:
         started = time.monotonic()
         call = None
         n = body.n  # parallel choices: one prefill, the rest start from the decode worker's prefix cache
-        claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt))
+        claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt), n)
         try:
             claims.take(kv_room=router.kv_room(len(prompt)))
         except APIError as e:
-            REQUESTS.labels(endpoint, "429").inc()
+            REQUESTS.labels(endpoint, str(e.status)).inc()
             trace.event(rid, "refused", status=e.status, reason=e.reason)
             raise
         trace.event(rid, "admitted")
@@ -195,11 +194,13 @@ class RequestPath:
                    for i, call in enumerate(calls)]
 
         async def finish() -> None:  # the end of the answer, however it came
-            for events in choices:
-                await events.aclose()  # its metrics, if its reader stopped before its end
-            claims.release()
-            for call in calls:
-                call.cancel()  # a client that left, or a stop string: the decode worker aborts
+            try:
+                for events in choices:
+                    await events.aclose()  # its metrics, if its reader stopped before its end
+            finally:  # given back whatever the closing met: the tenant's slot is never kept
+                claims.release()
+                for call in calls:
+                    call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
             return _ReleasingStream(responses.sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),

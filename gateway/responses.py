@@ -8,6 +8,7 @@ chunks when the client streams, `collect` joins them into one JSON object when i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -166,30 +167,31 @@ async def sse(kind: str, rid: str, body, choices: list[AsyncIterator[Event]], mo
     usages: list[dict] = []
     if tools is not None:
         choices = [_as_tool_calls(events, tools) for events in choices]
-    async for index, ev in _interleaved(choices):
-        if isinstance(ev, Failed):
-            yield _data({"error": ev.error})
-            break
-        if isinstance(ev, Usage):
-            usages.append(ev.usage)
-            if include_usage and len(usages) == len(choices):
-                yield _data({**base, "choices": [], "usage": _total(usages)})
-            continue
-        first = index not in started
-        started.add(index)
-        if isinstance(ev, ToolCalls):
-            delta = {"role": "assistant", "content": ev.content,
-                     "tool_calls": [{"index": i, **call} for i, call in enumerate(ev.calls)]}
-            yield _data({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
-                                              "finish_reason": "tool_calls"}]})
-            continue
-        logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
-        if kind == "chat":
-            delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
-        else:
-            choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
-        yield _data({**base, "choices": [choice]})
+    async with contextlib.aclosing(_interleaved(choices)) as interleaved:  # its readers stop when this does
+        async for index, ev in interleaved:
+            if isinstance(ev, Failed):
+                yield _data({"error": ev.error})
+                break
+            if isinstance(ev, Usage):
+                usages.append(ev.usage)
+                if include_usage and len(usages) == len(choices):
+                    yield _data({**base, "choices": [], "usage": _total(usages)})
+                continue
+            first = index not in started
+            started.add(index)
+            if isinstance(ev, ToolCalls):
+                delta = {"role": "assistant", "content": ev.content,
+                         "tool_calls": [{"index": i, **call} for i, call in enumerate(ev.calls)]}
+                yield _data({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
+                                                  "finish_reason": "tool_calls"}]})
+                continue
+            logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
+            if kind == "chat":
+                delta = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+            else:
+                choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+            yield _data({**base, "choices": [choice]})
     yield b"data: [DONE]\n\n"
 
 
@@ -236,8 +238,14 @@ async def collect_all(kind, choices: list[AsyncIterator[Event]], rid, body, mode
     """Every choice collected (at once), as one response: choices by index, usage totalled."""
     if len(choices) == 1:
         return await collect(kind, choices[0], rid, body, model_name, tokenizer, tools)
-    answers = await asyncio.gather(*(collect(kind, events, rid, body, model_name, tokenizer, tools)
-                                     for events in choices))
+    tasks = [asyncio.ensure_future(collect(kind, events, rid, body, model_name, tokenizer, tools))
+             for events in choices]
+    try:
+        answers = await asyncio.gather(*tasks)
+    finally:  # one choice failed (or the client left): the others stop reading before anyone closes them
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     merged = answers[0]
     merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
     merged["usage"] = _total([a["usage"] for a in answers])

@@ -21,19 +21,31 @@ class WorkerState:
     healthy: bool = True
     kv_free_tokens: int | None = None  # free KV slots less queued prompt tokens, at the last Stats (None: unknown)
     kv_total_tokens: int | None = None
-    kv_claimed_tokens: int = 0  # prompt tokens sent here since that Stats
+    kv_claimed_tokens: int = 0  # prompt tokens of this gateway's requests on this worker now
+    kv_claimed_at_stats: int = 0  # ... when the last Stats came: its free count had theirs taken already
     waiting_tokens: int = 0  # queued prompt tokens at the last Stats
 
     def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int) -> None:
-        """A fresh Stats: it already counts what was claimed before it."""
+        """A fresh Stats: its free blocks (cached ones included: they are evicted on demand)
+        already count the requests claimed before it."""
         self.kv_free_tokens = free_blocks * block_size - waiting_tokens
         self.kv_total_tokens = total_blocks * block_size
-        self.kv_claimed_tokens = 0
+        self.kv_claimed_at_stats = self.kv_claimed_tokens
         self.waiting_tokens = waiting_tokens
+
+    @property
+    def kv_room_tokens(self) -> int | None:
+        """Free KV now, as far as this gateway knows: the last Stats's, less the prompts sent
+        here since, plus those of its requests that ended since (a claim ends with its
+        request, not at the next Stats)."""
+        if self.kv_free_tokens is None:
+            return None
+        return self.kv_free_tokens + self.kv_claimed_at_stats - self.kv_claimed_tokens
 
     def fits(self, prompt_tokens: int) -> bool:
         """Room in the KV cache for this prompt now (True while unknown)."""
-        return self.kv_free_tokens is None or self.kv_free_tokens - self.kv_claimed_tokens >= prompt_tokens
+        room = self.kv_room_tokens
+        return room is None or room >= prompt_tokens
 
 
 class NoWorker(LookupError):

@@ -26,27 +26,38 @@ class Tenant:
     in_flight: int = 0
     queued_tokens: int = 0
 
-    def check_concurrency(self) -> None:
-        if self.in_flight >= self.max_concurrent:
-            raise APIError(429, f"tenant {self.name}: {self.max_concurrent} concurrent requests is the limit",
-                           code="tenant_concurrency_limit", headers={"Retry-After": "1"}, reason="tenant_concurrency")
+    def check_concurrency(self, choices: int = 1) -> None:
+        """429 when `choices` more sequences would pass the limit (each choice of an n > 1
+        request is a sequence on a decode worker); 400 when they never could."""
+        if choices > self.max_concurrent:
+            raise APIError(400, f"n={choices}: tenant {self.name} may run {self.max_concurrent} sequences at once "
+                                "(each choice is one)", "n", code="tenant_concurrency_limit")
+        if self.in_flight + choices > self.max_concurrent:
+            raise APIError(429, f"tenant {self.name}: {self.max_concurrent} concurrent sequences (choices of its "
+                                "requests) is the limit", code="tenant_concurrency_limit",
+                           headers={"Retry-After": "1"}, reason="tenant_concurrency")
 
-    def admit(self, tokens: int) -> None:
-        self.check_concurrency()
+    def admit(self, tokens: int, choices: int = 1) -> None:
+        self.check_concurrency(choices)
         if self.queued_tokens + tokens > self.max_queued_tokens:
             raise APIError(429, f"tenant {self.name}: {self.max_queued_tokens} tokens in flight is the limit",
                            code="tenant_token_limit", headers={"Retry-After": "1"}, reason="tenant_tokens")
-        self.in_flight += 1
+        self.in_flight += choices
         self.queued_tokens += tokens
 
     def cache_salt(self, requested: str | None) -> str:
         """The prefix-cache salt of one request: the tenant's name (unless it shares its
-        cache), joined with the client's own `cache_salt` if it sent one."""
-        own = "" if self.share_prefix_cache else f"tenant:{self.name}"
-        return "/".join(part for part in (own, requested or "") if part)
+        cache), then the client's own `cache_salt` if it sent one. Each part is tagged with
+        what it is and prefixed with its length, so no client string (nor a tenant name with
+        a separator in it) can spell another tenant's salt: a tenant that shares its cache
+        sending `cache_salt: "tenant:a"` does not read isolated tenant a's entries."""
+        parts = [] if self.share_prefix_cache else [("tenant", self.name)]
+        if requested:
+            parts.append(("client", requested))
+        return "".join(f"{tag}{len(value)}:{value};" for tag, value in parts)
 
-    def release(self, tokens: int) -> None:
-        self.in_flight -= 1
+    def release(self, tokens: int, choices: int = 1) -> None:
+        self.in_flight -= choices
         self.queued_tokens -= tokens
 
 

@@ -158,10 +158,29 @@ def test_no_kv_headroom_is_a_fast_429_and_too_big_a_prompt_a_413(system, smollm2
                 assert small.stats().running_requests == 1
             s = wait_idle(small)
             assert s.free_blocks == s.total_blocks
-            time.sleep(0.5)  # a health round reads the freed blocks
             again = httpx.post(f"{url}/v1/completions", timeout=60,
                                json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
             assert again.status_code == 200, again.text
+    finally:
+        small.stop()
+
+
+def test_long_prompts_sent_back_to_back_to_an_idle_worker_are_never_refused(system, smollm2_dir, tmp_path):
+    """Each ~450-token prompt takes most of a 48-block decode worker while it runs, and the
+    gateway reads its Stats every 0.2 s, so one lands while it runs. Sent one after another,
+    each after the previous answer, none is refused: a request's KV claim ends with it, not
+    at the next Stats (an agent resends its long conversation turn after turn)."""
+    _, prefill, _ = system
+    (small,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "48"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [small.address], [prefill.address], tmp_path / "gateway.log",
+                     "--health-interval", "0.2") as url:
+            assert httpx.get(f"{url}/ready", timeout=10).status_code == 200  # Stats read: capacity known
+            for turn in range(4):
+                r = httpx.post(f"{url}/v1/completions", timeout=120,
+                               json={"model": "smollm2", "prompt": f"Turn {turn}. {STORY}", "max_tokens": 40,
+                                     "ignore_eos": True})
+                assert r.status_code == 200, (turn, r.text)
     finally:
         small.stop()
 

@@ -33,6 +33,7 @@ def tenant_gateway(system, smollm2_dir, tmp_path_factory):
     (folder / "tenants.json").write_text(json.dumps({"tenants": [
         {"name": "a", "api_keys": ["key-a"], "max_concurrent": 1},
         {"name": "b", "api_keys": ["key-b"], "max_concurrent": 4, "priority": 1},
+        {"name": "c", "api_keys": ["key-c"], "max_concurrent": 4, "share_prefix_cache": True},
     ]}))
     with gateway(smollm2_dir, [decode.address], [prefill.address], folder / "gateway.log",
                  "--tenants", str(folder / "tenants.json")) as url:
@@ -85,6 +86,58 @@ def test_one_tenants_prefix_cache_is_invisible_to_another(tenant_gateway):
     assert cached("key-b") == 0  # the same prompt, another tenant: no hit
     assert cached("key-b") > 0  # b's own send is now cached for b
     assert cached("key-a", cache_salt="session-1") == 0  # a's client split its cache
+
+
+def test_a_tenant_sharing_its_cache_cannot_spell_another_tenants_salt(tenant_gateway):
+    """Tenant c shares the prefix cache; its client sending the salt a's requests used to get
+    ("tenant:a") must not find a's entries."""
+    url = tenant_gateway
+    prompt = "The cartographer drew the coastline of an island nobody else had seen. " * 6
+
+    def cached(key: str, **extra) -> int:
+        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
+                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    cached("key-a")
+    assert cached("key-a") > 0
+    for salt in ("tenant:a", "tenant6:a;", "tenant1:a;"):
+        assert cached("key-c", cache_salt=salt) == 0, salt
+
+
+def test_no_client_salt_or_tenant_name_spells_another_tenants_salt():
+    from gateway.tenants import Tenant
+
+    isolated, shared = Tenant("a"), Tenant("c", share_prefix_cache=True)
+    salts = {
+        isolated.cache_salt(None), isolated.cache_salt("x"), Tenant("a/x").cache_salt(None),
+        Tenant("a;client1:x").cache_salt(None), shared.cache_salt(None),
+        *(shared.cache_salt(s) for s in ("tenant:a", "tenant:a/x", isolated.cache_salt(None),
+                                         isolated.cache_salt("x"), "a", "x")),
+    }
+    assert len(salts) == 11  # every one distinct
+    assert shared.cache_salt(None) == "" and Tenant("c", share_prefix_cache=True).cache_salt("s") == shared.cache_salt("s")
+
+
+def test_each_choice_counts_against_the_tenants_concurrency(tenant_gateway):
+    """Tenant a may run 1 sequence: n = 2 can never run (400, naming n); tenant b may run 4:
+    with an n = 3 stream open, an n = 2 request is refused (429) and an n = 1 one is served."""
+    url = tenant_gateway
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
+    never = httpx.post(f"{url}/v1/completions", timeout=30, headers={"authorization": "Bearer key-a"},
+                       json={**body, "n": 2})
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n", never.text
+    hold = {**body, "n": 3, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}
+    with httpx.stream("POST", f"{url}/v1/completions", json=hold, timeout=60,
+                      headers={"authorization": "Bearer key-b"}) as first:
+        lines = first.iter_lines()
+        assert "error" not in next(line for line in lines if line.startswith("data: "))
+        two = httpx.post(f"{url}/v1/completions", timeout=30, headers={"authorization": "Bearer key-b"},
+                         json={**body, "n": 2})
+        assert two.status_code == 429, two.text
+        one = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": "Bearer key-b"}, json=body)
+        assert one.status_code == 200, one.text
 
 
 def test_api_keys_and_tenant_isolation(tenant_gateway):

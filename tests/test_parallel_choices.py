@@ -61,3 +61,53 @@ def test_n_out_of_range_is_a_400(client, n):
 
     with pytest.raises(openai.BadRequestError, match="n"):
         client.completions.create(model="smollm2", prompt="hi", n=n, max_tokens=2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failed_choice_answers_an_error_and_gives_back_the_tenants_slot(smollm2_dir, tmp_path, stream):
+    """n = 2 on the only decode worker, which is killed once the choices' first tokens reached
+    the gateway (no worker left to replay on): not streamed, a JSON error; streamed, an
+    error event and [DONE]. Either way
+    tenant a's slot (2 sequences at most) is given back: its next request is refused for
+    want of a worker (503), not for a slot it would never get back (429 for good)."""
+    import concurrent.futures
+    import json
+
+    import httpx
+
+    from tests.gateway_procs import gateway
+    from tests.worker_procs import start_workers, wait_until
+
+    (tmp_path / "tenants.json").write_text(json.dumps({"tenants": [
+        {"name": "a", "api_keys": ["key-a"], "max_concurrent": 2}]}))
+    (decode,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256"], {})], smollm2_dir, tmp_path)
+    try:
+        with gateway(smollm2_dir, [decode.address], [], tmp_path / "gateway.log",
+                     "--tenants", str(tmp_path / "tenants.json")) as url:
+            head = {"authorization": "Bearer key-a"}
+            body = {"model": "smollm2", "prompt": "Tell me a long story.", "n": 2, "max_tokens": 400,
+                    "ignore_eos": True, "stream": stream}
+
+            def ask() -> httpx.Response:
+                return httpx.post(f"{url}/v1/completions", json=body, headers=head, timeout=120)
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(ask)
+                log = tmp_path / "gateway.log"  # its trace: the choices' first tokens reached the gateway
+                wait_until(lambda: answer.done() or '"event":"first_token"' in log.read_text(), 60, "the first tokens")
+                assert not answer.done(), answer.result().text
+                decode.kill()
+                r = answer.result()
+            if stream:
+                assert r.status_code == 200
+                events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+            else:
+                assert r.status_code in (502, 503) and r.headers["content-type"].startswith("application/json")
+                assert r.json()["error"]["message"], r.text
+            after = httpx.post(f"{url}/v1/completions", headers=head, timeout=60,
+                               json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})
+            assert after.status_code == 503, after.text  # no worker; the tenant's slot is free
+            assert "Traceback" not in (tmp_path / "gateway.log").read_text()
+    finally:
+        decode.stop()

@@ -58,8 +58,22 @@ def test_decode_prefers_kv_headroom_then_fewest_outstanding_tokens():
     a.kv_claimed_tokens = 1500  # prompts sent since the last Stats count against the headroom
     assert not r.kv_room(400)
     a.observe(free_blocks=100, total_blocks=100, block_size=16, waiting_tokens=800)  # queued prompts too
-    assert a.kv_claimed_tokens == 0 and not a.fits(1000) and a.fits(800)
+    assert not a.fits(1000) and a.fits(800)
     assert r.kv_capacity() == 1600
+
+
+def test_a_claim_ends_with_its_request_not_at_the_next_stats():
+    """A long prompt's KV, seen taken by a Stats while it ran, is room again once it ended:
+    the next long prompt, sent right after, fits (its blocks are cached, hence evictable)."""
+    r = Router(["d:1"], [])
+    (w,) = r.decode
+    w.observe(free_blocks=400, total_blocks=400, block_size=16, waiting_tokens=0)
+    w.kv_claimed_tokens += 4650  # the first long prompt is sent
+    assert not w.fits(4650) and w.fits(6400 - 4650)
+    w.observe(free_blocks=400 - 291, total_blocks=400, block_size=16, waiting_tokens=0)  # a Stats while it runs
+    assert not r.kv_room(4646)
+    w.kv_claimed_tokens -= 4650  # it ended: its blocks are free (cached) again
+    assert r.kv_room(4646) and w.kv_room_tokens == 109 * 16 + 4650
 
 
 def test_headroom_is_unknown_until_the_first_stats():
