@@ -101,6 +101,9 @@ class GatewaySettings:
     max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
     max_prompt_tokens: int | None = None  # longer prompts get 413; None: the context limit
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # A request's whole time, first token to last; None: derived per request from its
+    # max_tokens and the decode workers' measured step time (gateway/request_path.py).
+    request_timeout_s: float | None = None
     # Serve with no tenants file on a non-loopback host: anyone who reaches it can use it.
     insecure_no_api_keys: bool = False
 
@@ -111,7 +114,7 @@ class GatewaySettings:
                  "gateway.tenants (a JSON file of API keys), bind 127.0.0.1, or set "
                  "gateway.insecure_no_api_keys: true to accept the risk")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        _at_least(self, 0, "max_ttft_s", strict=True)
+        _at_least(self, 0, "max_ttft_s", "request_timeout_s", strict=True)
         _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes")
 
     def args(self) -> list[str]:
@@ -125,6 +128,8 @@ class GatewaySettings:
             args += ["--max-output-tokens", str(self.max_output_tokens)]
         if self.max_prompt_tokens is not None:
             args += ["--max-prompt-tokens", str(self.max_prompt_tokens)]
+        if self.request_timeout_s is not None:
+            args += ["--request-timeout", str(self.request_timeout_s)]
         if self.insecure_no_api_keys:
             args.append(OPT_IN_FLAG)
         return args + ["--max-body-bytes", str(self.max_body_bytes)]

@@ -21,6 +21,7 @@ from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.metrics import SLO
+from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
 from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.tenants import Tenants
 from rpc.auth import is_loopback
@@ -50,6 +51,10 @@ def main() -> None:
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--max-connections", type=int, default=1024,
                     help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
+    ap.add_argument("--request-timeout", type=float, default=None,
+                    help="seconds a request may take in all, first token to last (default: derived per request: "
+                         f"{FIRST_TOKEN_ALLOWANCE_S:g} s to its first token plus each token it may generate at 10x "
+                         "the slowest step the decode workers measured)")
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client may pause while sending its body before a 408")
     ap.add_argument("--header-timeout", type=float, default=10.0,
@@ -85,7 +90,7 @@ def main() -> None:
                            health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                           body_timeout_s=args.body_timeout)
+                           body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout (gateway/head_deadline.py).

@@ -51,7 +51,7 @@ class GatewayConfig:
     decode: list[str]
     prefill: list[str] = field(default_factory=list)
     max_model_len: int = 8192
-    request_timeout_s: float = 600.0
+    request_timeout_s: float | None = None  # a Generate call's deadline; None: derived (gateway/request_path.py)
     body_timeout_s: float = 30.0  # a client pausing longer while sending its body gets 408
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int | None = None  # default: the context limit

@@ -9,7 +9,10 @@ from the endpoint (Request.is_disconnected).
   (chunked transfer encoding) is counted as it arrives, and 413 comes as soon as the count
   passes the limit, so no body larger than the limit is ever held or parsed.
 - A client that stops sending its body for `body_timeout_s` gets 408 and its connection
-  back: half-sent requests do not hold the gateway's connections open.
+  back: half-sent requests do not hold the gateway's connections open. So does one whose
+  whole body takes longer than `body_timeout_s` plus the size limit at MIN_BODY_BYTES_PER_S
+  (a client sending a byte now and then would otherwise hold a connection for as long as
+  it likes, and enough of them every `--max-connections` slot).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from fastapi.responses import JSONResponse
 from gateway.errors import APIError, error_body
 
 
+# The slowest a body may arrive on the whole: a slow mobile link sends far faster.
+MIN_BODY_BYTES_PER_S = 16 * 1024
+
+
 class BodyTimeout(HTTPException):
-    def __init__(self, seconds: float):
-        super().__init__(408, f"request body not received within {seconds:g}s")
+    def __init__(self, seconds: float, in_all: bool = False):
+        super().__init__(408, f"request body not received within {seconds:g}s{' in all' if in_all else ''}")
 
 
 class BodyTooLarge(HTTPException):
@@ -40,6 +47,8 @@ class BodyLimit:
                  body_timeout_s: float = 30.0):
         self.app, self.max_bytes, self.authenticate = app, max_bytes, authenticate
         self.body_timeout_s = body_timeout_s
+        # the whole body's bound: a pause's, plus the largest body at the slowest rate allowed
+        self.body_deadline_s = body_timeout_s + max_bytes / MIN_BODY_BYTES_PER_S
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -59,14 +68,18 @@ class BodyLimit:
         received = 0
         started = False
         body_done = False
+        deadline = asyncio.get_running_loop().time() + self.body_deadline_s
 
         async def counted_receive():
             nonlocal received, body_done
             if body_done:  # later receives wait for the client to leave (streaming): no timeout
                 return await receive()
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.body_timeout_s, left)))
             except TimeoutError:
+                if left < self.body_timeout_s:
+                    raise BodyTimeout(self.body_deadline_s, in_all=True) from None
                 raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

@@ -69,6 +69,8 @@ class Readiness:
             if w.healthy != h.ok:
                 log.info("worker %s is %s", w.address, "healthy again" if h.ok else f"failing deep health: {h.detail}")
             w.healthy = h.ok
+            if h.longest_step_s > 0:
+                w.longest_step_s = h.longest_step_s
         self.ok = any(h.ok for h in decode_h) and (not prefill or any(h.ok for h in prefill_h))
         self.checked_at = time.monotonic()
         return self.ok

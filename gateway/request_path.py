@@ -47,6 +47,17 @@ log = logging.getLogger(__name__)
 # Decode workers a request is tried on, each a different one, while none of its tokens has
 # reached the client: a worker that is draining, shutting down or dead costs a retry, not the request.
 MAX_DECODE_ATTEMPTS = 3
+# A Generate call's derived deadline (RequestPath.call_deadline_s): the old fixed bound to the
+# first token, then each token at 10x the slowest measured step, never under 0.1 s a token.
+FIRST_TOKEN_ALLOWANCE_S = 600.0
+TOKEN_STRETCH = 10.0
+MIN_TOKEN_S = 0.1
+
+
+def derived_deadline_s(tokens_left: int, slowest_step_s: float) -> float:
+    """A request's deadline when the user set none: FIRST_TOKEN_ALLOWANCE_S, then each token
+    it may still generate at TOKEN_STRETCH x the slowest step measured (MIN_TOKEN_S at least)."""
+    return FIRST_TOKEN_ALLOWANCE_S + max(1, tokens_left) * max(MIN_TOKEN_S, TOKEN_STRETCH * slowest_step_s)
 
 
 class WorkerUnavailable(APIError):
@@ -303,9 +314,20 @@ class RequestPath:
             return worker.address, call, first
         raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)})")
 
+    def call_deadline_s(self, req: pb.GenerateRequest) -> float:
+        """How long a Generate call may run: the user's `--request-timeout`, or derived from
+        what the request may still do and how fast the decode workers measured themselves:
+        FIRST_TOKEN_ALLOWANCE_S to its first token, then each token it may still generate at
+        TOKEN_STRETCH x the slowest step measured (at least MIN_TOKEN_S a token). A long
+        generation on a slow host gets the time it needs, not a fixed 600 s."""
+        if self.config.request_timeout_s is not None:
+            return self.config.request_timeout_s
+        return derived_deadline_s(req.params.max_tokens - len(req.output_token_ids),
+                                  self.router.slowest_decode_step_s())
+
     async def _open(self, address: str, req: pb.GenerateRequest):
         """The Generate stream and its first message (admission errors surface here)."""
-        call = self.backend.generate(address, req, self.config.request_timeout_s)
+        call = self.backend.generate(address, req, self.call_deadline_s(req))
         try:
             first = await call.read()
         except asyncio.CancelledError:  # its client left: the decode worker drops it now

@@ -24,6 +24,7 @@ class WorkerState:
     kv_claimed_tokens: int = 0  # prompt tokens of this gateway's requests on this worker now
     kv_claimed_at_stats: int = 0  # ... when the last Stats came: its free count had theirs taken already
     waiting_tokens: int = 0  # queued prompt tokens at the last Stats
+    longest_step_s: float = 0.0  # the longest engine step it measured (its deep health's answer)
 
     def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int) -> None:
         """A fresh Stats: its free blocks (cached ones included: they are evicted on demand)
@@ -82,6 +83,10 @@ class Router:
             return True
         live = [w for w in self.decode if w.healthy] or self.decode
         return any(w.fits(prompt_tokens) for w in live)
+
+    def slowest_decode_step_s(self) -> float:
+        """The longest step any decode worker measured (0.0 while none said)."""
+        return max((w.longest_step_s for w in self.decode), default=0.0)
 
     def kv_capacity(self) -> int | None:
         """The largest decode worker's whole KV cache in tokens (None while unknown)."""

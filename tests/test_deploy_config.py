@@ -185,9 +185,10 @@ def test_gateway_args_only_name_what_is_set():
     assert GatewaySettings().args() == ["--host", "127.0.0.1", "--port", "8000", "--max-ttft", "60.0",
                                         "--max-body-bytes", "1048576"]
     full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64,
-                           max_prompt_tokens=4000, max_body_bytes=4096)
+                           max_prompt_tokens=4000, max_body_bytes=4096, request_timeout_s=900.0)
     assert full.args() == ["--host", "0.0.0.0", "--port", "80", "--tenants", "t.json", "--max-ttft", "inf",
-                           "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--max-body-bytes", "4096"]
+                           "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--request-timeout", "900.0",
+                           "--max-body-bytes", "4096"]
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gateway.internal"])

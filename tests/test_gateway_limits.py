@@ -86,6 +86,38 @@ def test_a_client_that_stops_sending_its_body_gets_408(system, smollm2_dir, tmp_
         assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
 
 
+def test_a_body_that_trickles_in_gets_408_at_its_whole_deadline(system, smollm2_dir, tmp_path):
+    """A client that sends a byte before every pause would time out still gets 408 once the
+    whole body took longer than the pause bound plus the size limit at the slowest rate
+    allowed (here 1 s + 4096 B at 16 KiB/s = 1.25 s): it cannot hold a connection forever."""
+    import socket
+
+    from gateway.body_limit import MIN_BODY_BYTES_PER_S
+
+    _, prefill, decode = system
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
+                 "--body-timeout", "1", "--max-body-bytes", "4096") as url:
+        host, port = url.removeprefix("http://").split(":")
+        deadline_s = 1 + 4096 / MIN_BODY_BYTES_PER_S
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ntransfer-encoding: chunked\r\n"
+                      "content-type: application/json\r\n\r\n".encode())
+            answer = b""
+            s.settimeout(0.5)
+            for _ in range(40):  # a byte every 0.5 s (under the 1 s pause bound) for up to 20 s
+                try:
+                    s.sendall(b"1\r\n \r\n")
+                    answer += s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+                if answer:
+                    break
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert f"not received within {deadline_s:g}s in all".encode() in answer, answer[:300]
+
+
 def test_configured_limits_on_prompt_tokens_and_body_size(system, smollm2_dir, tmp_path):
     _, prefill, decode = system
     with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",
@@ -183,6 +215,27 @@ def test_long_prompts_sent_back_to_back_to_an_idle_worker_are_never_refused(syst
                 assert r.status_code == 200, (turn, r.text)
     finally:
         small.stop()
+
+
+def test_the_request_timeout_is_the_users_bound_and_by_default_follows_the_workers_speed(smollm2_dir, tmp_path):
+    """A decode worker whose steps last at least 0.4 s (a slow host): 12 tokens take ~5 s.
+    `--request-timeout 2` is the user's bound: the stream ends with an error; with no flag
+    the deadline is derived from the request's tokens and the measured step, and it completes."""
+    (slow,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "64"],
+                              {"PDSERVE_FAULT_STEP_FLOOR_S": "0.4"})], smollm2_dir, tmp_path, timeout_s=120)
+    body = {"model": "smollm2", "prompt": "Count:", "max_tokens": 12, "ignore_eos": True, "stream": True}
+    try:
+        with gateway(smollm2_dir, [slow.address], [], tmp_path / "bound.log", "--request-timeout", "2") as url:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                events = list(data_lines(r.iter_lines()))
+            assert events[-1] == "data: [DONE]" and "error" in events[-2], events[-3:]
+        with gateway(smollm2_dir, [slow.address], [], tmp_path / "derived.log") as url:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                events = list(data_lines(r.iter_lines()))
+            assert events[-1] == "data: [DONE]" and not any("error" in e for e in events), events[-3:]
+            assert sum(e.count('"text"') for e in events) >= 1
+    finally:
+        slow.stop()
 
 
 def test_an_open_gateway_refuses_a_non_loopback_bind_unless_told(system, smollm2_dir, tmp_path):

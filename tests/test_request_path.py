@@ -38,3 +38,13 @@ def test_a_refusal_at_admission_holds_nothing():
     assert (tenant.in_flight, tenant.queued_tokens) == (0, 0)
     claims.release()
     assert (tenant.in_flight, tenant.queued_tokens) == (0, 0)
+
+
+def test_a_requests_deadline_grows_with_its_tokens_and_the_measured_step():
+    from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S, derived_deadline_s
+
+    assert derived_deadline_s(100, 0.0) == FIRST_TOKEN_ALLOWANCE_S + 100 * 0.1  # nothing measured: the floor
+    fast, slow = derived_deadline_s(8000, 0.02), derived_deadline_s(8000, 0.3)
+    assert fast == FIRST_TOKEN_ALLOWANCE_S + 8000 * 0.2 and slow == FIRST_TOKEN_ALLOWANCE_S + 8000 * 3.0
+    assert slow > 600 * 10  # a long generation on a slow host: far past the old fixed 600 s
+    assert derived_deadline_s(0, 0.3) == derived_deadline_s(1, 0.3)  # a replay with nothing left still gets one
