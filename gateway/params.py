@@ -8,6 +8,12 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.structured import grammar_of
 from rpc import pdserve_pb2 as pb
 
+# Log-probability entries one request may ask for: choices x tokens x (alternatives + the
+# sampled token). Each is a few Python objects on the gateway's one event loop (~750 bytes
+# held until a non-streamed body is sent): n = 16, top_logprobs = 20 and 4,000 tokens was
+# ~1 GB and a 500 that stalled every other client. This bound is ~100 MB.
+MAX_LOGPROB_ENTRIES = 1 << 17
+
 _PASSED_AS_IS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "seed")
 
@@ -52,6 +58,14 @@ def sampling_params(body, prompt_len: int, *, max_model_len: int, max_prompt: in
                 raise APIError(400, f"logit_bias key {key} is not a token id of this model", "logit_bias")
             p.logit_bias[int(key)] = value
     if body.num_logprobs is not None:
+        entries = body.n * max_tokens * (body.num_logprobs + 1)
+        if entries > MAX_LOGPROB_ENTRIES:
+            param = "logprobs" if not isinstance(body, ChatCompletionRequest) or not body.num_logprobs \
+                else "top_logprobs"
+            raise APIError(400, f"n ({body.n}) x max_tokens ({max_tokens}) x (logprobs per token + 1: "
+                                f"{body.num_logprobs + 1}) = {entries} log-probability entries is over this server's "
+                                f"limit of {MAX_LOGPROB_ENTRIES} per request: ask for fewer tokens, choices or "
+                                "alternatives", param)
         p.logprobs = body.num_logprobs
     p.ignore_eos = body.ignore_eos
     grammar = grammar_of(body.response_format)

@@ -300,3 +300,23 @@ def test_twice_max_num_seqs_open_streams_leave_health_and_stats_answered(system)
             c.cancel()
     s = wait_idle(decode, timeout_s=60)
     assert s.running_requests == 0 and s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
+
+
+def test_what_one_request_may_ask_of_logprobs_is_bounded(client):
+    """n = 16 x 400 tokens x 21 log-probabilities each is 134,400 entries, past the bound:
+    a 400 that names the parameter and the limit, at once (not a generation that builds
+    ~100 MB of objects on the gateway's event loop). Under the bound it is served."""
+    import openai
+
+    from gateway.params import MAX_LOGPROB_ENTRIES
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="smollm2", messages=msgs, n=16, max_tokens=400, logprobs=True,
+                                       top_logprobs=20)
+    assert refused.value.body["param"] == "top_logprobs" and str(MAX_LOGPROB_ENTRIES) in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="log-probability entries"):
+        client.completions.create(model="smollm2", prompt="Hi", n=16, max_tokens=2000, logprobs=5)
+    ok = client.chat.completions.create(model="smollm2", messages=msgs, n=2, max_tokens=4, logprobs=True,
+                                        top_logprobs=3)
+    assert len(ok.choices) == 2 and len(ok.choices[0].logprobs.content[0].top_logprobs) == 3
