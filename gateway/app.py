@@ -98,14 +98,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         ok = await readiness.ready()
         return JSONResponse({"ready": ok}, 200 if ok else 503)
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
+    async def _scrape() -> bytes:
         await readiness.observe()
         workers = await readiness.worker_metrics()
         if controller_metrics:
             name, text = controller_metrics[0]
             workers = [*workers, pb.MetricsResponse(worker=name, role="controller", exposition=text.encode())]
-        return Response(scrape.merge(generate_latest(), workers), media_type=CONTENT_TYPE_LATEST)
+        # the parse and merge of every worker's text off the event loop: requests keep streaming meanwhile
+        return await asyncio.to_thread(scrape.merge, generate_latest(), workers)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The one scrape; concurrent scrapes share one round of calls and one merge."""
+        return Response(await readiness.shared("scrape", _scrape), media_type=CONTENT_TYPE_LATEST)
 
     def _check_admin(authorization: str | None) -> None:
         token = (authorization or "").removeprefix("Bearer ").strip()

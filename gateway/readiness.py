@@ -34,26 +34,28 @@ class Readiness:
         """Ready: some decode worker (and, with a prefill pool, some prefill worker) passes
         deep health, as of at most one interval ago."""
         if time.monotonic() - self.checked_at > self.interval_s:
-            await self._shared("health", self._refresh)
+            await self.shared("health", self._refresh)
         return self.ok
 
     async def observe(self) -> None:
         """Stats only (counters, no forward pass): routing's headroom and the gauges."""
-        self._observe_stats(await self._shared("stats", self.backend.all_stats))
+        self._observe_stats(await self.shared("stats", self.backend.all_stats))
 
     async def worker_metrics(self) -> list[pb.MetricsResponse]:
         """Every answering worker's registry; concurrent scrapes share one round of calls."""
-        return await self._shared("metrics", self.backend.all_metrics)
+        return await self.shared("metrics", self.backend.all_metrics)
 
     async def loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                await self._shared("health", self._refresh)
+                await self.shared("health", self._refresh)
             except Exception:  # never let the loop die; the next round tries again
                 log.exception("health check round failed")
 
-    async def _shared(self, name: str, fn):
+    async def shared(self, name: str, fn):
+        """`fn()`'s result; callers that come while a run named `name` is in flight share it
+        (a caller that leaves does not cancel it for the others)."""
         task = self._in_flight.get(name)
         if task is None or task.done():
             task = self._in_flight[name] = asyncio.create_task(fn())
