@@ -48,6 +48,11 @@ class DecodeStream:
         self.request_id = req.request_id  # the id on the worker serving it now
         self.replays = 0  # after a failure
         self.hand_offs = 0  # from a drained worker
+        self.finished = _ended(first)  # its last message came: the worker holds nothing of it
+
+    def _seen(self, msg: pb.GenerateResponse) -> pb.GenerateResponse:
+        self.finished = _ended(msg)
+        return msg
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -71,7 +76,7 @@ class DecodeStream:
         if msg.finish_reason == pb.ERROR and msg.error.code == pb.INTERNAL:
             return await self._replay_or(msg, msg.error.message)
         self.tokens += msg.token_ids
-        return msg
+        return self._seen(msg)
 
     async def _replay_or(self, failure, why: str, handed_off: bool = False):
         """The replay's first message, or `failure` (raised or returned) when there is none.
@@ -107,7 +112,12 @@ class DecodeStream:
                  "handed it off" if handed_off else "failed mid-stream", why, self.address, replay.request_id,
                  len(self.tokens))
         self.tokens += first.token_ids
-        return first
+        return self._seen(first)
+
+
+def _ended(msg: pb.GenerateResponse) -> bool:
+    """The request's last message, ending it on the worker by its own end (not an error)."""
+    return msg.finish_reason in (pb.STOP, pb.LENGTH)
 
 
 def _give(failure):

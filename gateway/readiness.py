@@ -39,7 +39,7 @@ class Readiness:
 
     async def observe(self) -> None:
         """Stats only (counters, no forward pass): routing's headroom and the gauges."""
-        self._observe_stats(await self.shared("stats", self.backend.all_stats))
+        self._observe_stats(*await self.shared("stats", self._stats_round))
 
     async def worker_metrics(self) -> list[pb.MetricsResponse]:
         """Every answering worker's registry; concurrent scrapes share one round of calls."""
@@ -66,7 +66,7 @@ class Readiness:
         decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
         decode_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
         prefill_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
-        self._observe_stats(await backend.all_stats())
+        self._observe_stats(*await self._stats_round())
         for w, h in zip(decode + prefill, decode_h + prefill_h):
             if w.healthy != h.ok:
                 log.info("worker %s is %s", w.address, "healthy again" if h.ok else f"failing deep health: {h.detail}")
@@ -77,12 +77,17 @@ class Readiness:
         self.checked_at = time.monotonic()
         return self.ok
 
-    def _observe_stats(self, stats: dict[str, pb.StatsResponse | None]) -> None:
+    async def _stats_round(self) -> tuple[float, dict[str, pb.StatsResponse | None]]:
+        """Every worker's Stats, and when they were asked for (what they can have seen)."""
+        asked = time.monotonic()
+        return asked, await self.backend.all_stats()
+
+    def _observe_stats(self, asked: float, stats: dict[str, pb.StatsResponse | None]) -> None:
         router = self.router
         for w in router.decode + router.prefill:
             s = stats.get(w.address)
             if s is not None and s.block_size:
-                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens)
+                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens, asked_at=asked)
         # admission's prior: the prompt tokens per second the prefilling pool measured itself at
         prefilling = router.prefill or router.decode
         self.admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling

@@ -96,22 +96,25 @@ class Claims:
         worker.outstanding_tokens += self.cost
         worker.kv_claimed_tokens += self.prompt_tokens
 
-    def off(self) -> None:
-        """... and no longer: its start there failed, or it moved to another worker."""
+    def off(self, freed: bool = True) -> None:
+        """... and no longer: its start there failed, it moved to another worker, or it ended
+        (`freed`: its blocks there are free now, not only once the worker takes an abort)."""
         w, self.worker = self.worker, None
         if w is not None:
             w.outstanding_tokens -= self.cost
-            w.kv_claimed_tokens -= self.prompt_tokens
+            w.end_claim(self.prompt_tokens, freed)
 
     def first_token(self) -> None:
         if self.ticket is not None:
             self.admission.first_token(self.ticket)
 
-    def release(self) -> None:
+    def release(self, freed: bool = False) -> None:
+        """Everything given back, once; `freed`: every choice ended on its worker (its last
+        message came), so its KV is room at once."""
         if self._released:
             return
         self._released = True
-        self.off()
+        self.off(freed)
         if self._tenant_held:
             self.tenant.release(self.cost, self.choices)
         if self.ticket is not None:
@@ -209,7 +212,7 @@ class RequestPath:
                 for events in choices:
                     await events.aclose()  # its metrics, if its reader stopped before its end
             finally:  # given back whatever the closing met: the tenant's slot is never kept
-                claims.release()
+                claims.release(freed=all(call.finished for call in calls))
                 for call in calls:
                     call.cancel()  # a client that left, or a stop string: the decode worker aborts
 

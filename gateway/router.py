@@ -6,7 +6,9 @@ worker's queue is much longer than the least-loaded one's: then the least-loaded
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import math
+import time
+from dataclasses import dataclass, field
 
 from engine.block_pool import block_hashes
 
@@ -22,17 +24,33 @@ class WorkerState:
     kv_free_tokens: int | None = None  # free KV slots less queued prompt tokens, at the last Stats (None: unknown)
     kv_total_tokens: int | None = None
     kv_claimed_tokens: int = 0  # prompt tokens of this gateway's requests on this worker now
-    kv_claimed_at_stats: int = 0  # ... when the last Stats came: its free count had theirs taken already
+    # Requests that ended without their last message (aborted, failed: the worker frees their
+    # blocks a little later), as (when, prompt tokens): taken until a Stats asked for after.
+    kv_ending: list[tuple[float, int]] = field(default_factory=list)
+    kv_claimed_at_stats: int = 0  # ... both when the last Stats came: its free count had them taken already
     waiting_tokens: int = 0  # queued prompt tokens at the last Stats
     longest_step_s: float = 0.0  # the longest engine step it measured (its deep health's answer)
 
-    def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int) -> None:
-        """A fresh Stats: its free blocks (cached ones included: they are evicted on demand)
-        already count the requests claimed before it."""
+    def end_claim(self, tokens: int, freed: bool) -> None:
+        """A request's claim ends: its blocks are room again at once when it ended on the
+        worker (`freed`: its last message came), else from the next Stats asked for after now."""
+        self.kv_claimed_tokens -= tokens
+        if not freed:
+            self.kv_ending.append((time.monotonic(), tokens))
+
+    def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int,
+                asked_at: float = math.inf) -> None:
+        """A fresh Stats, asked for at `asked_at`: its free blocks (cached ones included: they
+        are evicted on demand) already count the requests claimed before it, and the ending
+        ones it was asked for after are its business now."""
         self.kv_free_tokens = free_blocks * block_size - waiting_tokens
         self.kv_total_tokens = total_blocks * block_size
-        self.kv_claimed_at_stats = self.kv_claimed_tokens
+        self.kv_ending = [(t, n) for t, n in self.kv_ending if t >= asked_at]
+        self.kv_claimed_at_stats = self._taken()
         self.waiting_tokens = waiting_tokens
+
+    def _taken(self) -> int:
+        return self.kv_claimed_tokens + sum(n for _, n in self.kv_ending)
 
     @property
     def kv_room_tokens(self) -> int | None:
@@ -41,7 +59,7 @@ class WorkerState:
         request, not at the next Stats)."""
         if self.kv_free_tokens is None:
             return None
-        return self.kv_free_tokens + self.kv_claimed_at_stats - self.kv_claimed_tokens
+        return self.kv_free_tokens + self.kv_claimed_at_stats - self._taken()
 
     def fits(self, prompt_tokens: int) -> bool:
         """Room in the KV cache for this prompt now (True while unknown)."""

@@ -107,6 +107,9 @@ def test_a_body_that_trickles_in_gets_408_at_its_whole_deadline(system, smollm2_
             for _ in range(40):  # a byte every 0.5 s (under the 1 s pause bound) for up to 20 s
                 try:
                     s.sendall(b"1\r\n \r\n")
+                except OSError:  # the server answered and closed: its answer is still to be read
+                    pass
+                try:
                     answer += s.recv(65536)
                 except TimeoutError:
                     continue
@@ -114,6 +117,15 @@ def test_a_body_that_trickles_in_gets_408_at_its_whole_deadline(system, smollm2_
                     break
                 if answer:
                     break
+            s.settimeout(5)
+            while b"in all" not in answer:  # the rest of the answer (its head may come alone)
+                try:
+                    chunk = s.recv(65536)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                answer += chunk
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert f"not received within {deadline_s:g}s in all".encode() in answer, answer[:300]
 
@@ -190,6 +202,7 @@ def test_no_kv_headroom_is_a_fast_429_and_too_big_a_prompt_a_413(system, smollm2
                 assert small.stats().running_requests == 1
             s = wait_idle(small)
             assert s.free_blocks == s.total_blocks
+            time.sleep(0.5)  # the stream was cut, not ended: its KV is room once a Stats asked after says so
             again = httpx.post(f"{url}/v1/completions", timeout=60,
                                json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
             assert again.status_code == 200, again.text

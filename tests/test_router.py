@@ -72,8 +72,27 @@ def test_a_claim_ends_with_its_request_not_at_the_next_stats():
     assert not w.fits(4650) and w.fits(6400 - 4650)
     w.observe(free_blocks=400 - 291, total_blocks=400, block_size=16, waiting_tokens=0)  # a Stats while it runs
     assert not r.kv_room(4646)
-    w.kv_claimed_tokens -= 4650  # it ended: its blocks are free (cached) again
+    w.end_claim(4650, freed=True)  # it ended there (its last message came): its blocks are free (cached)
     assert r.kv_room(4646) and w.kv_room_tokens == 109 * 16 + 4650
+
+
+def test_a_cut_requests_claim_ends_with_the_next_stats_asked_for_after_it():
+    """A stream its client cut: the worker frees its blocks once the abort lands, so they
+    count as taken until a Stats asked for after the cut; one asked before changes nothing."""
+    import time
+
+    r = Router(["d:1"], [])
+    (w,) = r.decode
+    w.observe(free_blocks=400, total_blocks=400, block_size=16, waiting_tokens=0)
+    w.kv_claimed_tokens += 4650
+    before = time.monotonic()
+    w.observe(free_blocks=109, total_blocks=400, block_size=16, waiting_tokens=0, asked_at=before)
+    w.end_claim(4650, freed=False)
+    assert not r.kv_room(4646) and w.kv_claimed_tokens == 0
+    w.observe(free_blocks=109, total_blocks=400, block_size=16, waiting_tokens=0, asked_at=before)  # asked before
+    assert not r.kv_room(4646)
+    w.observe(free_blocks=400, total_blocks=400, block_size=16, waiting_tokens=0, asked_at=time.monotonic())
+    assert r.kv_room(4646) and w.kv_ending == []
 
 
 def test_headroom_is_unknown_until_the_first_stats():
