@@ -68,18 +68,22 @@ def test_a_client_that_leaves_before_its_first_byte_gives_back_its_tenant_slot(t
         time.sleep(0.5)
 
 
+def _cached_tokens(url: str, key: str, prompt: str, **extra) -> int:
+    """The prompt's cached tokens as tenant `key` sees them (one token generated)."""
+    r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
+                   json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
+    assert r.status_code == 200, r.text
+    return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 def test_one_tenants_prefix_cache_is_invisible_to_another(tenant_gateway):
     """Tenant a's prompt is cached for a (its second send reports cached tokens), but tenant
     b sending the very same prompt finds nothing: b cannot probe what a's prompts began with.
     A client's own cache_salt splits its tenant's cache further."""
-    url = tenant_gateway
     prompt = "The lighthouse keeper counted the ships that passed in the night. " * 6  # several full blocks
 
     def cached(key: str, **extra) -> int:
-        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
-        assert r.status_code == 200, r.text
-        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return _cached_tokens(tenant_gateway, key, prompt, **extra)
 
     cached("key-a")
     assert cached("key-a") > 0  # a hits its own cache
@@ -91,14 +95,10 @@ def test_one_tenants_prefix_cache_is_invisible_to_another(tenant_gateway):
 def test_a_tenant_sharing_its_cache_cannot_spell_another_tenants_salt(tenant_gateway):
     """Tenant c shares the prefix cache; its client sending the salt a's requests used to get
     ("tenant:a") must not find a's entries."""
-    url = tenant_gateway
     prompt = "The cartographer drew the coastline of an island nobody else had seen. " * 6
 
     def cached(key: str, **extra) -> int:
-        r = httpx.post(f"{url}/v1/completions", timeout=60, headers={"authorization": f"Bearer {key}"},
-                       json={"model": "smollm2", "prompt": prompt, "max_tokens": 1, **extra})
-        assert r.status_code == 200, r.text
-        return (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return _cached_tokens(tenant_gateway, key, prompt, **extra)
 
     cached("key-a")
     assert cached("key-a") > 0
