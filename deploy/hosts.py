@@ -89,7 +89,7 @@ class WorkerHost:
 
     def ready(self, timeout_s: float) -> str:
         """Block until the worker prints its address; raise with its log tail if it cannot start."""
-        while not self.address:
+        if not self.address:
             self.address = self._wait_ready(timeout_s)
         return self.address
 
