@@ -74,8 +74,33 @@ def _refused(address: str, e: grpc.RpcError) -> grpc.RpcError:
     return NotProven(address, f"Prove answered {e.code().name}")
 
 
+class ProofPending(grpc.RpcError):
+    """The caller's deadline passed while another call on the channel was still proving the
+    peer: a call waits for a proof at most its own timeout, whatever the prover's."""
+
+    def __init__(self, address: str, timeout: float):
+        super().__init__(f"{address}: its proof was still pending after {timeout:g}s")
+        self._details = f"{address} has not proved it is a worker of this deployment yet (waited {timeout:g}s)"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return self._details
+
+    def __str__(self) -> str:
+        return self._details
+
+
+def _bound(timeout: float | None) -> float:
+    """A Prove is answered by the peer's gRPC threads, never its engine loop: a network
+    bound, however long the call it precedes may run (a stream's whole request)."""
+    return DEFAULT_TIMEOUT_S if timeout is None else min(timeout, DEFAULT_TIMEOUT_S)
+
+
 class Proof:
-    """Once per channel, thread-safe: proven, or the reason it is not."""
+    """Once per channel, thread-safe: proven, or the reason it is not. A caller waits for
+    another's proof in flight at most its own timeout (ProofPending past it)."""
 
     def __init__(self, token: str, address: str):
         self.token, self.address = token, address
@@ -85,17 +110,21 @@ class Proof:
     def ensure(self, timeout: float | None) -> None:
         if self._proven:
             return
-        with self._lock:
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise ProofPending(self.address, timeout)
+        try:
             if self._proven:
                 return
             nonce = secrets.token_bytes(NONCE_BYTES)
             with grpc.insecure_channel(self.address) as raw:
                 try:
-                    reply = raw.unary_unary(METHOD)(nonce, timeout=timeout or DEFAULT_TIMEOUT_S)
+                    reply = raw.unary_unary(METHOD)(nonce, timeout=_bound(timeout))
                 except grpc.RpcError as e:
                     raise _refused(self.address, e) from None
             _check(self.token, self.address, nonce, reply)
             self._proven = True
+        finally:
+            self._lock.release()
 
 
 class AioProof:
@@ -110,14 +139,20 @@ class AioProof:
         if self._proven:
             return
         self._lock = self._lock or asyncio.Lock()
-        async with self._lock:
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout)
+        except TimeoutError:
+            raise ProofPending(self.address, timeout) from None
+        try:
             if self._proven:
                 return
             nonce = secrets.token_bytes(NONCE_BYTES)
             async with aio.insecure_channel(self.address) as raw:
                 try:
-                    reply = await raw.unary_unary(METHOD)(nonce, timeout=timeout or DEFAULT_TIMEOUT_S)
+                    reply = await raw.unary_unary(METHOD)(nonce, timeout=_bound(timeout))
                 except grpc.RpcError as e:
                     raise _refused(self.address, e) from None
             _check(self.token, self.address, nonce, reply)
             self._proven = True
+        finally:
+            self._lock.release()

@@ -3,6 +3,9 @@ calls without it (UNAUTHENTICATED, unary and streaming alike) and serves those w
 
 from __future__ import annotations
 
+import socket
+import time
+
 import grpc
 import pytest
 
@@ -160,3 +163,59 @@ def test_a_decode_worker_sends_no_token_to_an_offered_prefill_worker_that_cannot
     finally:
         impostor.server.stop(0)
         decode.stop()
+
+
+def _silent_peer() -> socket.socket:
+    """A listener that accepts TCP (the kernel completes the handshake) and never answers:
+    a host that froze with its port open."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    return silent
+
+
+def test_a_silent_peer_holds_no_async_caller_past_its_own_timeout(monkeypatch):
+    """A stream with a long bound proves the peer first; a health check on the same channel
+    with a 1 s deadline fails by its own deadline, not the stream's (a /ready that hung on
+    a worker that accepts TCP but never answers)."""
+    import asyncio
+
+    monkeypatch.setenv(auth.ENV, SECRET)
+    with _silent_peer() as silent:
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+
+        async def run() -> grpc.StatusCode:
+            async with auth.aio_channel(address) as channel:
+                req = pb.GenerateRequest(request_id="long", prompt_token_ids=[5], params=pb.SamplingParams(max_tokens=1))
+
+                async def stream() -> None:
+                    [m async for m in pb_grpc.DecodeWorkerStub(channel).Generate(req, timeout=300)]
+                long = asyncio.create_task(stream())
+                await asyncio.sleep(0.2)  # it is proving the peer
+                try:
+                    await asyncio.wait_for(pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(deep=True), timeout=1), 20)
+                except grpc.RpcError as e:
+                    return e.code()
+                finally:
+                    long.cancel()
+                return grpc.StatusCode.OK
+
+        assert asyncio.run(run()) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_silent_peer_holds_no_caller_past_its_own_timeout(monkeypatch):
+    """The same on a sync channel (a decode worker's to its prefill peers)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setenv(auth.ENV, SECRET)
+    with _silent_peer() as silent, auth.channel(f"127.0.0.1:{silent.getsockname()[1]}") as channel, \
+            ThreadPoolExecutor(2) as pool:
+        stub = pb_grpc.WorkerStub(channel)
+        long = pool.submit(stub.Health, pb.HealthRequest(deep=True), timeout=300)
+        time.sleep(0.2)  # it is proving the peer
+        short = pool.submit(stub.Health, pb.HealthRequest(deep=True), timeout=1)
+        with pytest.raises(grpc.RpcError) as e:
+            short.result(timeout=20)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError):
+            long.result(timeout=proof.DEFAULT_TIMEOUT_S + 20)  # a proof is a network bound, whatever the call's
