@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from kernels.host import auto_dtype, log_choice
+from kernels.dtype_choice import auto_dtype
+from kernels.host import log_choice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -37,7 +38,9 @@ class UnsupportedModelError(ValueError):
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> tuple[torch.dtype, str]:
     """A dtype name as a torch dtype, with the reason for it (logged once). `auto` is bf16
-    where this CPU computes it natively and float32 elsewhere (kernels/host.py)."""
+    where this CPU computes it natively, elsewhere the faster of bf16 and float32 as measured
+    on this host at the first start and cached (kernels/dtype_choice.py); the reason gives
+    both rates and their ratio."""
     if isinstance(dtype, torch.dtype):
         resolved, why = dtype, "it was asked for"
     elif dtype == AUTO_DTYPE:

@@ -2,9 +2,10 @@
 
 pdserve runs on more than one kind of x86 host: Intel with AVX-512, AVX512-BF16 and AMX
 computes bf16 natively (and oneDNN packs bf16 weights); an AVX2-only CPU (AMD Zen 3, say)
-has no bf16 arithmetic, so bf16 matmuls there are emulated and several times slower than
-float32. `dtype="auto"` (the default everywhere; engine/config.py resolves it) picks bf16
-only where it is native.
+has no bf16 arithmetic, so its bf16 matmuls widen bf16 to float32 on FMA tiles, which may
+be faster or slower than float32 there. `auto_dtype` below is the rule by capability
+alone; `dtype="auto"` (the default everywhere; engine/config.py resolves it) takes bf16
+where it is native and measures the two dtypes elsewhere (kernels/dtype_choice.py).
 Every choice is logged once with its reason, and `describe()` names the host beside
 figures.
 """
@@ -73,14 +74,14 @@ def cpu() -> CpuCapabilities:
 
 
 def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
-    """The dtype `auto` means on this host, and why."""
+    """The dtype by capability alone, and why: bf16 where it is native, else float32 (the
+    choice with nothing measured; kernels/dtype_choice.py measures where it is not native)."""
     if device != "cpu":
         return torch.bfloat16, f"{device} computes bf16 natively"
     caps = cpu()
     if caps.native_bf16:
         return torch.bfloat16, f"this CPU computes bf16 natively ({caps.isa})"
-    return torch.float32, (f"this CPU has no native bf16 ({caps.isa}: bf16 would be emulated, several times "
-                           f"slower than float32)")
+    return torch.float32, f"this CPU has no native bf16 ({caps.isa}) and nothing was measured"
 
 
 @functools.cache
