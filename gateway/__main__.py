@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--max-connections", type=int, default=1024,
                     help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
+    ap.add_argument("--max-connections-per-ip", type=int, default=None,
+                    help="connections one client address may have still sending a request (head or body); past "
+                         "it a new one gets 429 and is closed (default: a quarter of --max-connections)")
     ap.add_argument("--request-timeout", type=float, default=None,
                     help="seconds a request may take in all, first token to last (default: derived per request: "
                          f"{FIRST_TOKEN_ALLOWANCE_S:g} s to its first token plus each token it may generate at 10x "
@@ -65,6 +68,11 @@ def main() -> None:
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
                     help="serve without API keys on a non-loopback address: anyone who reaches it can use it")
     args = ap.parse_args()
+    per_ip = args.max_connections_per_ip
+    if per_ip is None:  # a quarter: one address cannot hold every slot, a busy one rarely meets it
+        per_ip = max(1, args.max_connections // 4)
+    if per_ip < 1:
+        ap.error("--max-connections-per-ip must be >= 1")
     refusal = open_bind_refusal(args.host, bool(args.tenants), args.insecure_no_api_keys)
     if refusal:
         ap.error(refusal)
@@ -93,9 +101,10 @@ def main() -> None:
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
-    # must arrive within --header-timeout (gateway/head_deadline.py).
+    # must arrive within --header-timeout, and one address has at most --max-connections-per-ip
+    # connections still sending a request (gateway/head_deadline.py).
     server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="info",
-                                           http=with_head_timeout(args.header_timeout),
+                                           http=with_head_timeout(args.header_timeout, per_ip),
                                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
                                            h11_max_incomplete_event_size=16384))
     sockets = [server.config.bind_socket()]
