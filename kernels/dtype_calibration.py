@@ -10,12 +10,14 @@ matmuls, at this process's thread count: a decode step (DECODE_SEQS sequences at
 tokens, over enough distinct layers that the weights do not fit the last-level cache,
 as a whole model's do not) and a prefill step (one PREFILL_TOKENS chunk). The two dtypes
 and shapes take turns, and each keeps its fastest repeat (the least disturbed by other
-work on the host). Under a second on a 2-core host.
+work on the host); the median repeats must name the same winner for the verdict to be
+cached. Under a second on a quiet 2-core host.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,14 +81,24 @@ class Rates:
 
 @dataclass(frozen=True)
 class Measurement:
+    """Both dtypes' rates from each step's fastest repeat (the least disturbed by other work
+    on the host), and the same ratio from the median repeats as a check."""
+
     bf16: Rates
     float32: Rates
     seconds: float  # the calibration's own wall time, set-up included
+    median_ratio: float = math.nan  # `ratio` from the median repeats
 
     @property
     def ratio(self) -> float:
         """bf16's rate over float32's (> 1: bf16 is faster here)."""
         return self.bf16.tokens_per_s / self.float32.tokens_per_s
+
+    @property
+    def settled(self) -> bool:
+        """The fastest and the median repeats name the same faster dtype: other work on the
+        host did not decide it (an unsettled verdict is used, not cached)."""
+        return (self.ratio >= 1) == (self.median_ratio >= 1)
 
 
 @dataclass(frozen=True)
@@ -151,24 +163,26 @@ def measure(shape: LayerShape = SMOLLM2_135M) -> Measurement:
         layers = [first.packed(library)] + [first.copy().packed(library) for _ in range(decode_layers - 1)]
         steps[dtype, "decode"] = _step(ops, shape, layers, _decode_batch(shape, dtype, gen))
         steps[dtype, "prefill"] = _step(ops, shape, layers[:1], _prefill_batch(shape, dtype, gen))
-    best = {key: math.inf for key in steps}
+    times: dict[tuple[torch.dtype, str], list[float]] = {key: [] for key in steps}
     for step in steps.values():  # warm-up: first-touch pages, the kernels' first calls
         step()
-    timed, repeats = time.perf_counter(), 0
-    while repeats < MIN_REPEATS or (repeats < MAX_REPEATS and time.perf_counter() - timed < TIME_BUDGET_S):
+    timed = time.perf_counter()
+    while len(times[torch.float32, "decode"]) < MIN_REPEATS or (
+            len(times[torch.float32, "decode"]) < MAX_REPEATS and time.perf_counter() - timed < TIME_BUDGET_S):
         for key, step in steps.items():
             t0 = time.perf_counter()
             step()
-            best[key] = min(best[key], time.perf_counter() - t0)
-        repeats += 1
+            times[key].append(time.perf_counter() - t0)
 
-    def rates(dtype: torch.dtype) -> Rates:
+    def rates(dtype: torch.dtype, pick: Callable[[list[float]], float]) -> Rates:
         # seconds per token through a whole model: each step's time per layer, times its layers
-        per_token = {kind: best[dtype, kind] / layers * shape.layers / tokens
+        per_token = {kind: pick(times[dtype, kind]) / layers * shape.layers / tokens
                      for kind, (tokens, layers) in work.items()}
         return Rates(decode=1 / per_token["decode"], prefill=1 / per_token["prefill"])
 
-    return Measurement(rates(torch.bfloat16), rates(torch.float32), time.perf_counter() - start)
+    medians = Measurement(rates(torch.bfloat16, statistics.median), rates(torch.float32, statistics.median), 0.0)
+    return Measurement(rates(torch.bfloat16, min), rates(torch.float32, min), time.perf_counter() - start,
+                       median_ratio=medians.ratio)
 
 
 def _layers_beyond_cache(shape: LayerShape) -> int:

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
@@ -94,9 +94,10 @@ def auto_dtype(device: str = "cpu") -> tuple[torch.dtype, str]:
     return choice.dtype, choice.reason
 
 
-def choose(mode: CalibrationMode | None = None, path: Path | None = None) -> DtypeChoice:
-    """`auto` on this CPU: by capability, or measured (`path`: the cache file, default
-    cache_path()). `mode` defaults to PDSERVE_DTYPE_CALIBRATION."""
+def choose(mode: CalibrationMode | None = None, path: Path | None = None,
+           measurer: Callable[[], Measurement] = measure) -> DtypeChoice:
+    """`auto` on this CPU: by capability, or measured by `measurer` (`path`: the cache
+    file, default cache_path()). `mode` defaults to PDSERVE_DTYPE_CALIBRATION."""
     mode = mode or CalibrationMode.from_env()
     if mode == CalibrationMode.OFF or (mode == CalibrationMode.AUTO and cpu().native_bf16):
         dtype, why = capability_dtype()
@@ -114,11 +115,17 @@ def choose(mode: CalibrationMode | None = None, path: Path | None = None) -> Dty
             dtype, why = decide(cached)
             return DtypeChoice(dtype, f"a calibration on this CPU, cached in {path}: {why}", Source.CACHED, cached)
         log.info("measuring bf16 and float32 on this CPU for dtype auto (%s)", key)
-        m = measure()
-        entries[key] = asdict(m)
-        _write(path, entries)
+        m = measurer()
+        if m.settled:
+            entries[key] = asdict(m)
+            _write(path, entries)
+            saved = f"saved to {path}"
+        else:
+            saved = (f"not saved: the median repeats gave bf16/float32 {m.median_ratio:.2f}x, other work on "
+                     f"the host decided it; the next start measures again")
+            log.warning("dtype calibration unsettled: %s", saved)
     dtype, why = decide(m)
-    return DtypeChoice(dtype, f"measured on this CPU just now ({m.seconds:.1f} s, saved to {path}): {why}",
+    return DtypeChoice(dtype, f"measured on this CPU just now ({m.seconds:.1f} s, {saved}): {why}",
                        Source.MEASURED, m)
 
 
@@ -186,7 +193,8 @@ def _measurement(entry: object) -> Measurement | None:
                 raise ValueError("rates must be positive")
             return r
 
-        return Measurement(rates(entry["bf16"]), rates(entry["float32"]), float(entry["seconds"]))
+        return Measurement(rates(entry["bf16"]), rates(entry["float32"]), float(entry["seconds"]),
+                           float(entry["median_ratio"]))
     except (TypeError, KeyError, ValueError):
         if entry is not None:
             log.warning("a malformed dtype calibration entry (%r): measuring again", entry)
