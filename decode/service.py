@@ -39,9 +39,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
         try:
-            self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
+            # here, not on the loop: others' steps go on; tenants (cache salts) take turns
+            self.worker.engine.compile_grammar(params, request.cache_salt, context.time_remaining())
         except GrammarError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}")
+        except QueueFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid}: {e}")
         out: queue.SimpleQueue = queue.SimpleQueue()
         prompt = list(request.prompt_token_ids)
         # A hand-off's KV source heads the list: its copy of the KV is asked for first.

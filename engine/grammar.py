@@ -3,8 +3,8 @@ schema into a token-level grammar (xgrammar), and one matcher per request that s
 tokens may come next.
 
     grammars = Grammars.from_folder(model_path, vocab_size, stop_token_ids)  # one per process
-    compiled = grammars.compile(Grammar(schema_text))  # cached per schema; GrammarError if bad
-    matcher = grammars.matcher(Grammar(schema_text))   # one per sequence
+    grammars.compile(grammar, source)  # cached per schema, kept on `grammar`; GrammarError if bad
+    matcher = grammars.matcher(grammar)  # one per sequence: the compiled grammar kept on `grammar`
     rows, allowed = allowed_next(matchers, outputs, vocab)  # before each sampled step: [rows, vocab] bool
 
 A matcher follows the request's output tokens rather than owning them: before each fill it
@@ -15,6 +15,13 @@ worker's matcher catches up from `output_token_ids`.
 The grammar's stop tokens are the model's EOS ids: once the JSON is complete only they are
 allowed, and the scheduler ends the request on the EOS as on any other.
 
+Compiles run on their own thread, one at a time, each schema once, tenants in turn, with a
+bounded number of callers waiting (engine/cached_compiler.py). Each may cost at most
+COMPILE_BUDGET_REFS compiles of a reference schema, timed on this process at start: a
+stated cost, the same on a slow host as on a fast one. The compiled grammar is kept on the
+request's `Grammar`, so admission on the engine loop never compiles, even when the cache
+dropped it in between.
+
 xgrammar (and with it torch) is imported on first use, about a second: a process that
 never serves a schema never loads it, and the gateway, which only reads `Grammar`, never does.
 """
@@ -24,14 +31,13 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-from collections import OrderedDict
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine.cached_compiler import CachedCompiler, Overdue
 
 if TYPE_CHECKING:  # torch and xgrammar load on first use: the gateway imports this module for Grammar alone
     import torch
@@ -39,8 +45,13 @@ if TYPE_CHECKING:  # torch and xgrammar load on first use: the gateway imports t
 log = logging.getLogger(__name__)
 
 MAX_SCHEMA_CHARS = 64 * 1024  # a bound on what one request may ask the compiler to build
-_CACHE_SIZE = 256  # compiled grammars kept per process (least recently used dropped)
-COMPILE_TIMEOUT_S = 10.0  # schemas take milliseconds: a bound on a pathological one, not an expectation
+_CACHE_SIZE = 256  # compiled grammars (and refused schemas) kept per process, least recently used dropped
+MAX_COMPILE_WAITERS = 256  # callers waiting for compiles, where the engine's queue sets no bound
+# What one schema may cost to compile, in compiles of REFERENCE_SCHEMA timed on this process:
+# typical schemas cost under one; a wide schema of patterns (40 fields) about eight.
+COMPILE_BUDGET_REFS = 200
+REFERENCE_SCHEMA = json.dumps({"type": "object", "properties": {
+    f"f{i}": {"type": "string", "pattern": "[a-z]{2,9}@[a-z]+\\.(com|org)"} for i in range(5)}})
 
 
 class GrammarError(ValueError):
@@ -55,6 +66,9 @@ class Grammar:
 
     json_schema: str
     strict: bool = True
+    # Its compiled form, once Grammars.compile made it for this request (not part of its
+    # identity): the matcher is made from it, never from the cache, which may have dropped it.
+    compiled: object = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.json_schema) > MAX_SCHEMA_CHARS:
@@ -128,7 +142,10 @@ class Grammars:
     threads compile while the engine loop makes matchers)."""
 
     def __init__(self, encoded_vocab: list[str], vocab_type: str, vocab_size: int, stop_token_ids: Sequence[int],
-                 add_prefix_space: bool = False) -> None:
+                 add_prefix_space: bool = False, max_waiters: int = MAX_COMPILE_WAITERS,
+                 budget_s: float | None = None) -> None:
+        """budget_s: what one compile may take (default: COMPILE_BUDGET_REFS reference compiles,
+        timed here); max_waiters: callers that may wait for compiles at once."""
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -136,16 +153,20 @@ class Grammars:
                                  stop_token_ids=list(stop_token_ids), add_prefix_space=add_prefix_space)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.vocab_size = vocab_size
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[Grammar, object] = OrderedDict()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
+        self.reference_s = self._time_reference()
+        if budget_s is None:
+            budget_s = COMPILE_BUDGET_REFS * self.reference_s
+        self._compiles: CachedCompiler[Grammar, object] = CachedCompiler(self._build, budget_s, max_waiters,
+                                                                         _CACHE_SIZE, name="grammar-compile")
         from importlib.metadata import version
 
-        log.info("grammars: xgrammar %s, %s vocabulary of %d tokens, stop tokens %s", version("xgrammar"),
-                 vocab_type, vocab_size, list(stop_token_ids))
+        log.info("grammars: xgrammar %s, %s vocabulary of %d tokens, stop tokens %s; a compile may take %.3gs "
+                 "(%d reference compiles of %.3gs)", version("xgrammar"), vocab_type, vocab_size,
+                 list(stop_token_ids), budget_s, COMPILE_BUDGET_REFS, self.reference_s)
 
     @classmethod
-    def from_folder(cls, folder: str | Path, vocab_size: int, stop_token_ids: Sequence[int]) -> Grammars:
+    def from_folder(cls, folder: str | Path, vocab_size: int, stop_token_ids: Sequence[int],
+                    max_waiters: int = MAX_COMPILE_WAITERS, budget_s: float | None = None) -> Grammars:
         """From a Hugging Face folder's tokenizer.json (the `tokenizers` library, not transformers)."""
         from tokenizers import Tokenizer
 
@@ -158,39 +179,65 @@ class Grammars:
         for text, token_id in vocab.items():
             encoded[token_id] = text
         spec = json.loads(path.read_text(encoding="utf-8"))
-        return cls(encoded, _vocab_type(spec), size, stop_token_ids, _add_prefix_space(spec))
+        return cls(encoded, _vocab_type(spec), size, stop_token_ids, _add_prefix_space(spec), max_waiters, budget_s)
 
-    def compile(self, grammar: Grammar, timeout_s: float | None = None):
-        """The compiled grammar (cached); GrammarError naming what is wrong with the schema,
-        or saying it did not compile within `timeout_s` (the compile goes on in the
-        background, into the cache, on one of two threads: it cannot be interrupted)."""
-        with self._lock:
-            hit = self._cache.get(grammar)
-            if hit is not None:
-                self._cache.move_to_end(grammar)
-                return hit
-        if timeout_s is not None:
-            try:
-                return self._pool.submit(self.compile, grammar).result(timeout_s)
-            except FutureTimeout:
-                raise GrammarError(f"schema did not compile within {timeout_s:g}s; simplify or split it") from None
+    @property
+    def budget_s(self) -> float:
+        """What one compile may take on this process."""
+        return self._compiles.budget_s
+
+    @property
+    def num_waiters(self) -> int:
+        """Callers blocked in compile() now."""
+        return self._compiles.num_waiters
+
+    @property
+    def num_compiles(self) -> int:
+        """Compiles begun so far (a cached or shared one counts once)."""
+        return self._compiles.num_builds
+
+    def _time_reference(self) -> float:
+        """Seconds for one compile of REFERENCE_SCHEMA here: the unit of the budget (the best of
+        two, the first also warming the compiler up)."""
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            self._compiler.compile_json_schema(REFERENCE_SCHEMA, any_whitespace=False)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    def compile(self, grammar: Grammar, source: str = "", wait_s: float | None = None, others_waiting: int = 0):
+        """The compiled grammar, also kept on `grammar` (for matcher()). Cached per schema; a
+        schema queued or compiling for another caller is waited for, not compiled again.
+        GrammarError naming what is wrong with the schema, or that its compile ran past the
+        budget (then it stays refused while cached); CompilerBusy (cached_compiler.Busy) when
+        too many callers wait already (`others_waiting` counted among them; at most half from
+        one `source`), or `wait_s` passed before its compile began."""
+        try:
+            compiled = self._compiles.get(grammar, source, wait_s, others_waiting)
+        except Overdue as e:
+            raise GrammarError(f"schema did not compile within {e.budget_s:.3g}s ({COMPILE_BUDGET_REFS} times "
+                               f"a reference schema's compile); simplify or split it") from None
+        object.__setattr__(grammar, "compiled", compiled)  # frozen, but for this one slot
+        return compiled
+
+    def _build(self, grammar: Grammar):
+        """One compile, on the compile thread."""
         try:
             json.loads(grammar.json_schema)
         except ValueError as e:
             raise GrammarError(f"schema is not valid JSON: {e}") from None
         try:
-            compiled = self._compiler.compile_json_schema(grammar.json_schema, any_whitespace=False,
-                                                          strict_mode=grammar.strict)
+            return self._compiler.compile_json_schema(grammar.json_schema, any_whitespace=False,
+                                                      strict_mode=grammar.strict)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with the reason
             raise GrammarError(f"unsupported or invalid schema: {_message(e)}") from None
-        with self._lock:
-            self._cache[grammar] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return compiled
 
     def matcher(self, grammar: Grammar) -> Matcher:
-        return Matcher(self._xgr.GrammarMatcher(self.compile(grammar)), self.vocab_size)
+        """A matcher over the grammar compile() kept on `grammar`; compiled now if it has none
+        (offline use, where the caller's thread is the loop: a worker always compiles first)."""
+        compiled = grammar.compiled if grammar.compiled is not None else self.compile(grammar)
+        return Matcher(self._xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 def allowed_next(matchers: list[Matcher], outputs: list[Sequence[int]],

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from engine.grammar import COMPILE_TIMEOUT_S, GrammarError, Grammars
+from engine.cached_compiler import Busy as CompilerBusy
+from engine.grammar import MAX_COMPILE_WAITERS, GrammarError, Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
@@ -30,7 +31,7 @@ from engine.model_runner import ModelRunner
 from engine.step_buffers import StepLimits
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
+from engine.scheduler import QueueFull, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import KeptKV, Sequence
 from engine.weights import load_weights
 
@@ -180,7 +181,7 @@ class LLMEngine:
         for token in output_token_ids:
             seq.append_token(token)
         if params.grammar is not None:
-            try:  # compiled already when a worker's RPC thread called compile_grammar (cached)
+            try:  # from the grammar compile_grammar kept on params (a worker's RPC thread): no compile here
                 seq.matcher = self.grammars.matcher(params.grammar)
             except GrammarError as e:
                 raise RequestRejected(request_id, f"grammar: {e}") from None
@@ -205,17 +206,27 @@ class LLMEngine:
         """The structured-output compiler for this model's tokenizer, made on first use."""
         with self._grammars_lock:
             if self._grammars is None:
+                waiting = self.config.scheduler.max_waiting
                 self._grammars = Grammars.from_folder(self.config.model_path, self.model.cfg.vocab_size,
-                                                      self.model.cfg.eos_token_ids)
+                                                      self.model.cfg.eos_token_ids,
+                                                      waiting if waiting is not None else MAX_COMPILE_WAITERS)
             return self._grammars
 
-    def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's grammar into the cache now (any thread: a worker's RPC
-        thread does, so the loop's add_request never waits on a compile). GrammarError (a
-        ValueError) names what is wrong with the schema, or that it took longer than
-        COMPILE_TIMEOUT_S."""
-        if params.grammar is not None:
-            self.grammars.compile(params.grammar, COMPILE_TIMEOUT_S)
+    def compile_grammar(self, params: SamplingParams, source: str = "", wait_s: float | None = None) -> None:
+        """Compile the request's grammar and keep it on `params` (any thread: a worker's RPC
+        thread does, so add_request on the loop never compiles). `source`: who asks (the
+        tenant's cache salt): sources take turns, none with more than half of `max_waiting`
+        distinct schemas in flight. Callers waiting for a compile count against `max_waiting` with the
+        queued requests. GrammarError (a ValueError) names what is wrong with the schema, or
+        that it cost more than its budget; QueueFull if too many wait already or `wait_s`
+        passed before its compile began."""
+        if params.grammar is None:
+            return
+        queued = self.scheduler.num_waiting if self.config.scheduler.max_waiting is not None else 0
+        try:
+            self.grammars.compile(params.grammar, source, wait_s, queued)
+        except CompilerBusy as e:
+            raise QueueFull(str(e)) from None
 
     # -- what workers ask of the scheduler and the KV manager --------------------------------
 
