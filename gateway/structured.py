@@ -2,7 +2,7 @@
 sample under. The gateway only names the grammar (and refuses one too large to serve);
 the workers compile it, in their RPC threads before the request reaches the engine loop,
 so an invalid or unsupported schema comes back as a 400 that says what is wrong with it,
-and one that does not compile within engine/grammar.py's COMPILE_TIMEOUT_S as a 400 too.
+and one that costs more than engine/grammar.py's compile budget as a 400 too.
 The gateway never loads the grammar engine (nor torch, which it brings)."""
 
 from __future__ import annotations
