@@ -94,8 +94,8 @@ def main() -> None:
                                              args.host, OPT_IN_FLAG)
     admin = admin_listener.bind(args.admin_port) if admin_token else None
     admin_port = admin.getsockname()[1] if admin else None
-    config = GatewayConfig(name, path, args.decode, args.prefill, max_len, tenants=tenants, admin_port=admin_port,
-                           health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
+    config = GatewayConfig(name, path, args.decode, args.prefill, max_len, host=args.host, tenants=tenants,
+                           admin_port=admin_port, health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout)

@@ -2,7 +2,7 @@
 Never imports torch.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not)
-    GET  /v1/models, /health, /ready, /metrics
+    GET  /v1/models, /health, /ready, /metrics          (/metrics: the admin token off loopback)
     GET, PUT /admin/workers                            (the loopback admin socket only)
 
 A request's path after its prompt is tokenized is gateway/request_path.py's; what the
@@ -32,6 +32,7 @@ from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.metrics import REQUESTS
+from gateway.metrics_access import metrics_refusal
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
@@ -51,6 +52,7 @@ class GatewayConfig:
     decode: list[str]
     prefill: list[str] = field(default_factory=list)
     max_model_len: int = 8192
+    host: str = "127.0.0.1"  # where the client port listens: off loopback, /metrics needs the admin token
     request_timeout_s: float | None = None  # a Generate call's deadline; None: derived (gateway/request_path.py)
     body_timeout_s: float = 30.0  # a client pausing longer while sending its body gets 408
     max_body_bytes: int = 1 << 20
@@ -108,8 +110,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await asyncio.to_thread(scrape.merge, generate_latest(), workers)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        """The one scrape; concurrent scrapes share one round of calls and one merge."""
+    async def metrics(request: Request) -> Response:
+        """The one scrape; concurrent scrapes share one round of calls and one merge. Off
+        loopback, other hosts need the admin token (gateway/metrics_access.py)."""
+        refusal = metrics_refusal(config.host, request.client.host if request.client else None,
+                                  request.headers.get("authorization"), config.admin_token)
+        if refusal is not None:
+            raise refusal
         return Response(await readiness.shared("scrape", _scrape), media_type=CONTENT_TYPE_LATEST)
 
     def _check_admin(authorization: str | None) -> None:

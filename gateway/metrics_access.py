@@ -1,0 +1,33 @@
+"""Who may read /metrics on the client port.
+
+The scrape names every worker, its role and address-derived labels, the load, the SLO and
+each tenant's refusals: on a gateway that only its own host reaches (a loopback bind) it is
+open, as a Prometheus target usually is. On an address other machines reach it needs the
+deployment's admin token (`PDSERVE_ADMIN_TOKEN`, sent as `Authorization: Bearer <token>`),
+except from the gateway's own host (a loopback peer: the deploy planner's scrape, a
+node-local agent), which could reach the admin socket too. With no admin token set, an
+off-loopback /metrics answers such callers 403 and says how to open it.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from gateway.errors import APIError
+from rpc.auth import is_loopback
+
+
+def metrics_refusal(bind_host: str, peer_host: str | None, authorization: str | None,
+                    admin_token: str | None) -> APIError | None:
+    """Why this caller may not read /metrics (401 or 403), or None if it may."""
+    if is_loopback(bind_host) or (peer_host is not None and is_loopback(peer_host)):
+        return None
+    if not admin_token:
+        return APIError(403, f"/metrics on {bind_host} is served to other hosts only with the admin token: set "
+                             "PDSERVE_ADMIN_TOKEN and send it as 'Authorization: Bearer <token>', or scrape from "
+                             "the gateway's own host", code="forbidden")
+    token = (authorization or "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(token.encode(), admin_token.encode()):
+        return APIError(401, "/metrics from another host needs the deployment's admin token "
+                             "('Authorization: Bearer <token>')", code="invalid_api_key")
+    return None
