@@ -216,8 +216,8 @@ class Grammars:
         try:
             compiled = self._compiles.get(grammar, source, wait_s, others_waiting)
         except Overdue as e:
-            raise GrammarError(f"schema did not compile within {e.budget_s:.3g}s ({COMPILE_BUDGET_REFS} times "
-                               f"a reference schema's compile); simplify or split it") from None
+            raise GrammarError(f"schema did not compile within {e.budget_s:.3g}s ({e.budget_s / self.reference_s:.3g} "
+                               f"times a reference schema's compile here); simplify or split it") from None
         object.__setattr__(grammar, "compiled", compiled)  # frozen, but for this one slot
         return compiled
 
