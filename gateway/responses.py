@@ -19,6 +19,7 @@ import grpc
 from engine import trace
 from engine.tokenizer import Tokenizer
 from gateway.errors import APIError
+from gateway.logprobs import Logprobs
 from gateway.logprobs import render as render_logprobs
 from gateway.metrics import (COMPLETION_TOKENS, E2E, OUTPUT_LENGTHS, PROMPT_LENGTHS, PROMPT_TOKENS, REQUESTS, SLO,
                              SLO_REQUESTS, TPOT)
@@ -254,8 +255,9 @@ async def collect_all(kind, choices: list[AsyncIterator[Event]], rid, body, mode
 
 async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer,
                   tools: ToolPlan | None = None) -> dict:
-    """The whole answer as one chat.completion / text_completion object; an error event is a 503."""
-    text, finish, usage, logprobs, calls = [], None, None, [], None
+    """The whole answer as one chat.completion / text_completion object; an error event is a 503.
+    Logprobs go into the answer's shape as each step brings them (gateway/logprobs.py)."""
+    text, finish, usage, logprobs, calls = [], None, None, Logprobs(kind, tokenizer), None
     if tools is not None:
         events = _as_tool_calls(events, tools)
     async for ev in events:
@@ -268,7 +270,7 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
             text.append(ev.content or "")
         else:
             text.append(ev.text)
-            logprobs += ev.logprobs
+            logprobs.add(ev.logprobs)
             finish = ev.finish_reason or finish
     content = "".join(text)
     if calls:
@@ -278,10 +280,9 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
                 "usage": usage}
     if kind == "completion" and body.echo and isinstance(body.prompt, str):
         content = body.prompt + content
-    rendered = render_logprobs(kind, tokenizer, logprobs)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": rendered,
+    choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs.result(),
                "finish_reason": finish} if kind == "chat" else
-              {"index": 0, "text": content, "logprobs": rendered, "finish_reason": finish})
+              {"index": 0, "text": content, "logprobs": logprobs.result(), "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
 

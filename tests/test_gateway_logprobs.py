@@ -1,0 +1,100 @@
+"""A non-streamed answer's logprobs: the same body as rendering every step at the end (which
+the official client parses), built as the steps arrive, so building it never holds a second
+copy of what the body holds (the workers' messages, a token's text and bytes per place)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tracemalloc
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from engine.tokenizer import Tokenizer
+from gateway import responses
+from rpc import pdserve_pb2 as pb
+
+STEPS, TOP = 2000, 20  # n=1 at 2000 tokens x 20 alternatives: 42,000 entries, under the 131,072 bound
+
+
+class _Body:
+    echo, prompt = False, "unused"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    tok = Tokenizer.from_pretrained(smollm2_dir)
+    tok.decode([42], skip_special_tokens=False)  # its lazy set-up is not the building's
+    return tok
+
+
+def _steps(seed: int) -> list[list[pb.TokenLogprobs]]:
+    """Each engine step's logprobs. The token ids follow Zipf's law over the vocabulary, as a
+    text's tokens (and a model's alternatives) do: common tokens recur, rare ones are many."""
+    rng = random.Random(seed)
+
+    def token() -> int:
+        return min(49151, int(rng.paretovariate(1.0)) * 7)
+
+    return [[pb.TokenLogprobs(token_id=token(), logprob=-rng.random(), top_token_ids=[token() for _ in range(TOP)],
+                              top_logprobs=[-rng.random() for _ in range(TOP)])] for _ in range(STEPS)]
+
+
+async def _events(steps: list[list[pb.TokenLogprobs]]):
+    """The decode worker's stream of those steps, read one message at a time."""
+    for i, step in enumerate(steps):
+        yield responses.Text("ab", "length" if i == len(steps) - 1 else None, step)
+    yield responses.Usage({"prompt_tokens": 3, "completion_tokens": len(steps), "total_tokens": len(steps) + 3})
+
+
+def _reference(kind: str, tokenizer: Tokenizer, entries: list[pb.TokenLogprobs]) -> dict:
+    """The logprobs object as the gateway rendered it before: every entry at the end."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    if kind == "chat":
+        return {"content": [
+            {"token": text(e.token_id), "logprob": e.logprob, "bytes": list(text(e.token_id).encode()),
+             "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+                              for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
+            for e in entries]}
+    return {"tokens": [text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries]}
+
+
+def _dumps(obj) -> bytes:  # as the JSON response renders it
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_the_body_is_the_one_rendered_at_the_end_and_the_official_client_parses_it(tokenizer, kind):
+    steps = _steps(1)
+    answer = asyncio.run(responses.collect(kind, _events(steps), "cmpl-1", _Body, "smollm2", tokenizer))
+    want = _reference(kind, tokenizer, [e for step in steps for e in step])
+    assert _dumps(answer["choices"][0]["logprobs"]) == _dumps(want)
+    parsed = (ChatCompletion if kind == "chat" else Completion).model_validate_json(_dumps(answer))
+    if kind == "chat":
+        assert len(parsed.choices[0].logprobs.content) == STEPS
+        assert len(parsed.choices[0].logprobs.content[-1].top_logprobs) == TOP
+    else:
+        assert len(parsed.choices[0].logprobs.tokens) == STEPS
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_building_the_body_holds_it_about_once(tokenizer, kind):
+    """The most memory the building takes, against the body it makes: well under the Python
+    objects of every entry rendered apart plus the messages they came from (over 3.1x the
+    body before); a bound, not a speed."""
+    events = _events(_steps(2))  # the workers' messages exist before: only the building is measured
+    tracemalloc.start()
+    try:
+        answer = asyncio.run(responses.collect(kind, events, "cmpl-1", _Body, "smollm2", tokenizer))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    body = len(_dumps(answer))
+    assert peak < 2.75 * body, (peak, body, peak / body)
