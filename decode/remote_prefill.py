@@ -17,6 +17,13 @@ that another worker is filling. Events:
   `abort_bound_s`: the request's blocks are set aside (held, out of use) and the request
   goes on without them (prefilled here); their `Released` comes once the worker confirms
   or is proven gone. A silent host costs the bound and some blocks, never a hung request.
+
+Membership (`set_members`, from the deploy controller's SetPeers): once known, only its
+workers are asked (and proven), a worker that leaves it is gone (the controller removes a
+worker only once its process ended): its aborts are not waited for any more, its set-aside
+blocks are Released, and its channel is closed, so whatever later listens on its port must
+prove itself afresh. Until the first list (workers started by hand) any offered worker
+that proves itself is asked, and a silent one's blocks wait for its answer.
 """
 
 from __future__ import annotations
@@ -170,6 +177,7 @@ class RemotePrefills:
         self._channels_lock = threading.Lock()  # the loop and RPC threads (proving) both open them
         self._events: list[Event] = []
         self._progress_failed = False
+        self.members: frozenset[str] | None = None  # the deployment's workers (SetPeers); None: not told
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states
@@ -256,13 +264,43 @@ class RemotePrefills:
         events, self._events = self._events, []
         return events
 
+    def set_members(self, addresses: list[str]) -> list[Event]:
+        """The deployment's workers now. Those that left are gone: nothing of theirs is
+        waited for any more, and their channels close. The list takes effect at once for
+        `proven` (any thread may set it); the rest runs on the loop thread."""
+        members = self.members = frozenset(addresses)
+        with self._channels_lock:
+            left = [a for a in self._channels if a not in members]
+            for address in left:
+                self._channels.pop(address)[0].close()  # its calls in flight end CANCELLED
+        for address in left:
+            log.info("prefill peer %s left the deployment: its channel closed", address)
+        for state in list(self.states.values()):
+            if state.phase is Phase.ABORTING and self._gone(state.worker):
+                state.abort_rpc = None
+                self._next_attempt(state)
+        for q in list(self.unconfirmed.values()):
+            if self._gone(q.worker):
+                self._release(q, "left the deployment")
+        return self._take_events()
+
+    def _gone(self, address: str, error: BaseException | None = None) -> bool:
+        """Known not to be writing: out of the deployment's membership, or `error` proves it."""
+        return (self.members is not None and address not in self.members) or (
+            error is not None and worker_is_gone(error))
+
     def proven(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (the
         internal token goes to no other address: rpc/proof.py). Runs on the request's
         RPC thread, so the first proof to a worker, a round trip, never holds the loop; one
-        that cannot prove itself or be reached now is left out of this request's choices."""
+        that cannot prove itself or be reached now is left out of this request's choices,
+        and so is one outside the membership, without a call."""
         proven = []
+        members = self.members
         for address in addresses:
+            if members is not None and address not in members:
+                log.warning("prefill worker %s left out: not a worker of this deployment now", address)
+                continue
             try:
                 auth.prove(self._channel(address)[0], timeout_s)
                 proven.append(address)
@@ -279,6 +317,10 @@ class RemotePrefills:
         state.reserved = rp
         state.destination_blocks = rp.destination_blocks
         state.num_cached_tokens = rp.num_cached_tokens
+        if self._gone(state.worker):  # it left since the request came: nothing went out to it
+            state.failures.append(f"{state.worker}: left the deployment")
+            self._next_attempt(state)
+            return
         self._send_prefill(state, rp)
 
     def _send_prefill(self, state: RemotePrefillState, rp: RemotePrefill) -> None:
@@ -308,6 +350,10 @@ class RemotePrefills:
     def _poll(self, state: RemotePrefillState) -> None:
         if state.phase is Phase.ABORTING:
             now = time.monotonic()
+            if self._gone(state.worker):
+                state.abort_rpc = None
+                self._next_attempt(state)
+                return
             if state.abort_rpc is not None and state.abort_rpc.done():
                 self._after_abort(state)
             elif state.abort_rpc is None and now >= state.retry_at:
@@ -320,7 +366,7 @@ class RemotePrefills:
             try:
                 resp = rpc.result()
             except grpc.RpcError as e:
-                self._attempt_failed(state, f"{e.code().name}: {e.details()}", gone=worker_is_gone(e))
+                self._attempt_failed(state, f"{e.code().name}: {e.details()}", gone=self._gone(state.worker, e))
                 return
             if resp.error.code != pb.ERROR_NONE:
                 self._attempt_failed(state, resp.error.message, gone=True)  # it replied: nothing in flight
@@ -352,9 +398,15 @@ class RemotePrefills:
         if state.rpc is not None:
             state.rpc.cancel()
             state.rpc = None
+        if self._gone(state.worker):
+            self._next_attempt(state)
+            return
         state.abort_rpc = self._ask_abort(state.worker, state.request_id)
 
-    def _ask_abort(self, worker: str, request_id: str) -> grpc.Future:
+    def _ask_abort(self, worker: str, request_id: str) -> grpc.Future | None:
+        """None when the worker is known gone: there is nothing to ask."""
+        if self._gone(worker):
+            return None
         return self._stub(worker).Abort.future(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
 
     def _abort_answered(self, rpc: grpc.Future, request_id: str, worker: str) -> bool:
@@ -363,7 +415,7 @@ class RemotePrefills:
             rpc.result()
             return True
         except grpc.RpcError as e:
-            if worker_is_gone(e):
+            if self._gone(worker, e):
                 return True
             log.warning("request %s: %s did not confirm the abort (%s: %s); its blocks stay out of use",
                         request_id, worker, e.code().name, e.details())
@@ -388,6 +440,9 @@ class RemotePrefills:
         self._events.append(Quarantined(rid, qid, state.cancelled))
 
     def _poll_unconfirmed(self, q: _Unconfirmed) -> None:
+        if self._gone(q.worker):
+            self._release(q, "left the deployment")
+            return
         if q.abort_rpc is None:
             if time.monotonic() >= q.retry_at:
                 q.abort_rpc = self._ask_abort(q.worker, q.request_id)
@@ -398,8 +453,13 @@ class RemotePrefills:
         if not self._abort_answered(rpc, q.request_id, q.worker):
             q.retry_at = time.monotonic() + ABORT_RETRY_S
             return
+        self._release(q, "answered")
+
+    def _release(self, q: _Unconfirmed, why: str) -> None:
         del self.unconfirmed[q.quarantine_id]
-        log.info("request %s: %s answered; blocks set aside as %s are free again", q.request_id, q.worker,
+        if q.abort_rpc is not None:
+            q.abort_rpc.cancel()
+        log.info("request %s: %s %s; blocks set aside as %s are free again", q.request_id, q.worker, why,
                  q.quarantine_id)
         self._events.append(Released(q.quarantine_id))
 
@@ -409,8 +469,11 @@ class RemotePrefills:
             self.states.pop(rid, None)
             self._events.append(Released(rid))
             return
-        if state.has_next_worker and time.monotonic() < state.deadline and state.reserved is not None:
+        while state.has_next_worker and time.monotonic() < state.deadline and state.reserved is not None:
             state.attempt += 1
+            if self._gone(state.worker):
+                state.failures.append(f"{state.worker}: left the deployment")
+                continue
             self._send_prefill(state, state.reserved)
             return
         del self.states[rid]

@@ -1,4 +1,4 @@
-"""gRPC face of the decode worker: Generate streams, plus TransferInfo / Health / Stats."""
+"""gRPC face of the decode worker: Generate streams and SetPeers, plus TransferInfo / Health / Stats."""
 
 from __future__ import annotations
 
@@ -82,3 +82,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             yield msg
             if msg.finish_reason != pb.FINISH_NONE:
                 return
+
+    def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
+        """Answered at once, whatever the loop is doing (decode/worker.py `set_members`)."""
+        self.worker.set_members(list(request.workers))
+        return pb.SetPeersResponse()

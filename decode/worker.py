@@ -190,6 +190,16 @@ class DecodeWorker(EngineLoop):
         """The offered prefill workers that proved they belong to this deployment (RPC thread)."""
         return self.remote.proven(addresses, timeout_s) if self.remote is not None else []
 
+    def set_members(self, addresses: list[str]) -> None:
+        """The deployment's workers (SetPeers; any thread): at once, only these are asked for
+        prefills; on the loop, blocks set aside for one that left are free again
+        (decode/remote_prefill.py)."""
+        if self.remote is None:
+            return
+        remote = self.remote
+        remote.members = frozenset(addresses)
+        self.submit(lambda: self._apply(remote.set_members(addresses)))
+
     def holds_work(self) -> bool:
         # Its remote prefills' late writes die with this process; KV kept for a taker is held until released.
         return bool(self.streams) or (self.source is not None and len(self.source) > 0)

@@ -59,7 +59,9 @@ PLACEMENT_TIMEOUT_S = 60.0  # a bundle the cluster cannot place in this time is 
 
 class Controller:
     """Methods are called by the `pdserve` CLI through Ray; one background thread runs the
-    health rounds. A lock keeps rounds and scaling from interleaving."""
+    health rounds. `lock` guards the pools and is held only for a round or a change of
+    them, never through a placement, a worker's loading or a drain; `scaling` lets one
+    scale run at a time (the CLI's and the planner's)."""
 
     def __init__(self, config: dict, admin_token: str, internal_token: str, driver_node_id: str):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,11 +74,13 @@ class Controller:
         self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
         self.pools: dict[str, list[Slot]] = {"prefill": [], "decode": []}
         self.draining: list[Slot] = []  # out of the pools and the routing, still finishing their work
-        self._peers_sent: dict[str, list[str]] = {}  # prefill worker address -> the decode agents it was sent
+        self.starting: list[Slot] = []  # placed by a scale, not ready yet: in no pool
+        self._peers_sent: dict[str, list[str]] = {}  # worker address -> the peers it was sent (SetPeers)
         self.next_id = {"prefill": 0, "decode": 0}
         self.gateway = GatewayLink(self.config, self._event)
         self.events: list[str] = []
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # the pools and slots: held briefly, never through a placement or a drain
+        self.scaling = threading.Lock()  # one scale at a time
         self.stopping = threading.Event()
         self.channels: dict[str, grpc.Channel] = {}
         self.loop: threading.Thread | None = None
@@ -112,45 +116,58 @@ class Controller:
             if target is not None:
                 metrics.POOL_TARGET.labels(role).set(target)
         t0 = time.monotonic()
-        with self.lock:
-            before = {role: len(slots) for role, slots in self.pools.items()}
+        with self.scaling:  # one scale at a time; health rounds and replacements go on meanwhile
+            with self.lock:
+                before = {role: len(slots) for role, slots in self.pools.items()}
             moves = in_place_moves(before, targets, self.config)  # these change role instead of starting cold
-            new: list[Slot] = []
-            try:
-                for role, target in targets.items():  # all placed first: they load in parallel
-                    moved_in = moves.count if moves and moves.target == role else 0
-                    for _ in range(0 if target is None else target - len(self.pools[role]) - moved_in):
-                        new.append(self._place(role))
-                for slot in new:
-                    self._wait_ready(slot)
-                    self.pools[slot.role].append(slot)
-            except Exception:
-                for slot in new:
-                    if slot.state is not SlotState.READY:
-                        self._remove(slot)
-                raise
-            finally:
-                self._push_membership()
-            leaving = []
-            for role, target in targets.items():
-                while target is not None and len(self.pools[role]) > target:
-                    leaving.append(self.pools[role].pop())  # the newest first
-            for slot in leaving:
-                slot.state = SlotState.DRAINING
-                self.draining.append(slot)
-            if leaving:
-                self._push_membership()  # out of routing now; the rounds go on while they drain
-        ready_s = time.monotonic() - t0
-        movers = [s for s in leaving if moves and s.role == moves.source][:moves.count if moves else 0]
-        for slot in leaving:  # outside the lock: a slow drain holds up no health round
-            drained = self._drain(slot)
-            if slot in movers and drained.end is DrainEnd.EMPTY and self._change_role(slot, moves.target, drained):
-                continue
-            self._retire(slot, drained)
-            if slot in movers:  # its role did not change: the move is a cold start after all
-                self._add_cold(moves.target)
+            self._grow(targets, moves)
+            with self.lock:
+                leaving = []
+                for role, target in targets.items():
+                    while target is not None and len(self.pools[role]) > target:
+                        leaving.append(self.pools[role].pop())  # the newest first
+                for slot in leaving:
+                    slot.state = SlotState.DRAINING
+                    self.draining.append(slot)
+                if leaving:
+                    self._push_membership()  # out of routing now; the rounds go on while they drain
+            ready_s = time.monotonic() - t0
+            movers = [s for s in leaving if moves and s.role == moves.source][:moves.count if moves else 0]
+            for slot in leaving:  # outside the lock: a slow drain holds up no health round
+                drained = self._drain(slot)
+                if slot in movers and drained.end is DrainEnd.EMPTY and self._change_role(slot, moves.target, drained):
+                    continue
+                self._retire(slot, drained)
+                if slot in movers:  # its role did not change: the move is a cold start after all
+                    self._add_cold(moves.target)
         self._log_scale(before, targets, ready_s, time.monotonic() - t0, moves)
         return self.status()
+
+    def _grow(self, targets: dict[str, int | None], moves: Moves | None) -> None:
+        """Place the new workers (all first: they load in parallel) and add each to its pool
+        once ready. Without the lock: placement and loading take minutes on a slow host, and
+        health rounds, replacements and membership pushes must go on meanwhile."""
+        new: list[Slot] = []
+        try:
+            for role, target in targets.items():
+                moved_in = moves.count if moves and moves.target == role else 0
+                for _ in range(0 if target is None else target - len(self.pools[role]) - moved_in):
+                    new.append(self._place(role))
+            for slot in new:
+                self._wait_ready(slot)
+                self._join(slot)
+        except Exception:
+            for slot in new:
+                if slot.state is not SlotState.READY or slot in self.starting:
+                    self._remove(slot)
+            raise
+
+    def _join(self, slot: Slot) -> None:
+        """A new worker, ready: into its pool and the membership."""
+        with self.lock:
+            self.starting.remove(slot)
+            self.pools[slot.role].append(slot)
+            self._push_membership()
 
     def _log_scale(self, before: dict[str, int], targets: dict[str, int | None], ready_s: float, seconds: float,
                    moves: Moves | None) -> None:
@@ -171,7 +188,8 @@ class Controller:
         minutes on a slow host) must not make status wait."""
         pools = {role: list(slots) for role, slots in self.pools.items()}
         return {"gateway": self.gateway.url, "log_dir": self.log_dir, "planner": self.planner.last_plan,
-                "pools": {role: [s.public() for s in slots] for role, slots in pools.items()}}
+                "pools": {role: [s.public() for s in slots] for role, slots in pools.items()},
+                "starting": [s.public() for s in list(self.starting)]}
 
     def shutdown_bound_s(self) -> float:
         """How long `shutdown` may take: its threads, the gateway, then the workers' own bounds."""
@@ -189,7 +207,7 @@ class Controller:
                 thread.join(timeout=30)
         with self.lock:
             self.gateway.stop()
-            slots = [s for pool in self.pools.values() for s in pool]
+            slots = [s for pool in self.pools.values() for s in pool] + self.starting
             bound = max((self._stop_bound_s(s) for s in slots), default=0.0)
             _quietly(lambda: ray.get([s.host.stop.remote(self._stop_bound_s(s)) for s in slots], timeout=bound + 30))
             for s in slots:
@@ -204,8 +222,9 @@ class Controller:
 
     def _place(self, role: str) -> Slot:
         pool = self._pool(role)
-        worker_id = str(self.next_id[role])
-        self.next_id[role] += 1
+        with self.lock:
+            worker_id = str(self.next_id[role])
+            self.next_id[role] += 1
         bundle = pool.bundle()
         pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{worker_id}")
         if not _wait(pg.ready(), PLACEMENT_TIMEOUT_S):
@@ -217,7 +236,10 @@ class Controller:
         host = WorkerHost.options(**options).remote(role, worker_id, self.config.model, self.config.dtype,
                                                     pool.worker_args(), self.log_dir, self.child_env)
         self._event(f"{role} worker {worker_id}: placed, loading {self.config.model}")
-        return Slot(role, worker_id, pg, host)
+        slot = Slot(role, worker_id, pg, host)
+        with self.lock:
+            self.starting.append(slot)
+        return slot
 
     def _wait_ready(self, slot: Slot) -> None:
         slot.address = ray.get(slot.host.ready.remote(self.config.ready_timeout_s),
@@ -296,9 +318,7 @@ class Controller:
         except Exception:
             self._remove(slot)
             raise
-        with self.lock:
-            self.pools[role].append(slot)
-            self._push_membership()
+        self._join(slot)
 
     def _ask_drain(self, slot: Slot) -> Holdings | None:
         """The Drain RPC: what the worker holds (it takes nothing new from the first call on;
@@ -334,6 +354,9 @@ class Controller:
         slot.node_id, slot.failures, slot.state = report.node_id, 0, SlotState.READY
 
     def _remove(self, slot: Slot) -> None:
+        with self.lock:
+            if slot in self.starting:
+                self.starting.remove(slot)
         _quietly(lambda: ray.kill(slot.host, no_restart=True))
         _quietly(lambda: remove_placement_group(slot.pg))
         channel = self.channels.pop(slot.address, None)
@@ -417,6 +440,9 @@ class Controller:
         metrics.HEALTH_VERDICTS.labels(slot.role, "restart").inc()
         slot.state, slot.failures = SlotState.RESTARTING, 0
         self.channels.pop(slot.address, None)
+        # Its process ends first (SIGKILL: it is wedged or silent), so that once the new
+        # incarnation replaces its address, the decode workers may take it as gone.
+        _quietly(lambda: ray.get(slot.host.stop.remote(0.0), timeout=30))
         ray.kill(slot.host, no_restart=False)  # Ray restarts the actor, which starts a fresh process
 
     def _channel(self, address: str) -> grpc.Channel:
@@ -459,18 +485,28 @@ class Controller:
 
     def _push_peers(self) -> None:
         """Every ready prefill worker learns the deployment's decode agents (the ready ones and
-        those still draining): the only destinations its KV may go to."""
+        those still draining): the only destinations its KV may go to. Every decode worker
+        (ready or draining) learns the address of every worker not removed or replaced: the
+        only ones it asks for prefills, and one that left is known gone (its blocks set aside
+        for an unconfirmed abort are free again: decode/remote_prefill.py)."""
         agents = [agent_name("decode", s.worker_id, s.incarnation) for s in [*self.pools["decode"], *self.draining]
                   if s.role == "decode" and s.state in (SlotState.READY, SlotState.DRAINING)]
-        for slot in [s for s in self.pools["prefill"] if s.state is SlotState.READY]:
-            if self._peers_sent.get(slot.address) == agents:
+        workers = sorted(s.address for s in [*self.pools["prefill"], *self.pools["decode"], *self.draining]
+                         if s.address)
+        for slot in [*self.pools["prefill"], *self.pools["decode"], *self.draining]:
+            if slot.state not in (SlotState.READY, SlotState.DRAINING):
+                continue
+            peers = agents if slot.role == "prefill" else workers
+            if self._peers_sent.get(slot.address) == peers:
                 continue  # it has this list (a restarted worker is a new address)
+            stub = pb_grpc.PrefillWorkerStub if slot.role == "prefill" else pb_grpc.DecodeWorkerStub
+            request = pb.SetPeersRequest(decode_agents=agents) if slot.role == "prefill" else \
+                pb.SetPeersRequest(workers=workers)
             try:
-                pb_grpc.PrefillWorkerStub(self._channel(slot.address)).SetPeers(
-                    pb.SetPeersRequest(decode_agents=agents), timeout=self.config.health_timeout_s)
-                self._peers_sent[slot.address] = agents
+                stub(self._channel(slot.address)).SetPeers(request, timeout=self.config.health_timeout_s)
+                self._peers_sent[slot.address] = peers
             except grpc.RpcError as e:  # the next round sends it again; its health check judges it
-                log.info("prefill worker %s: SetPeers failed: %s", slot.worker_id, e.code().name)
+                log.info("%s worker %s: SetPeers failed: %s", slot.role, slot.worker_id, e.code().name)
 
     def _push_membership(self) -> None:
         """The prefill workers first, then the gateway: a decode worker is routed to only once
@@ -478,7 +514,7 @@ class Controller:
         self._push_peers()
         ready = {role: [s.address for s in slots if s.state is SlotState.READY] for role, slots in self.pools.items()}
         counts: dict[tuple[str, str], int] = {}
-        for slot in [s for pool in self.pools.values() for s in pool] + self.draining:
+        for slot in [s for pool in self.pools.values() for s in pool] + self.draining + self.starting:
             counts[slot.role, slot.state.value] = counts.get((slot.role, slot.state.value), 0) + 1
         metrics.set_pools(counts)
         self.gateway.push(ready["decode"], ready["prefill"], metrics.exposition(), self.incarnation)

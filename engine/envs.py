@@ -53,10 +53,11 @@ FAULT_STALL_FILE = "PDSERVE_FAULT_STALL_FILE"
 
 def fault_stall_file() -> Path | None:
     """PDSERVE_FAULT_STALL_FILE: fault injection for tests and chaos runs. While this file
-    exists and is empty, or names the worker (`decode-0-<incarnation>`, whitespace-separated
-    names), the worker's engine loop stalls (its gRPC server keeps answering), like a wedged
-    worker. So one variable set for a whole deployment can wedge one chosen worker. Unset in
-    production."""
+    exists and is empty, or names the worker (`decode-0-<incarnation>`, or `decode-0` for any
+    incarnation of it; whitespace-separated names), the worker's engine loop stalls (its gRPC
+    server keeps answering), like a wedged worker, and a starting one waits before its
+    warm-up (it never gets ready). So one variable set for a whole deployment can wedge one
+    chosen worker. Unset in production."""
     value = os.environ.get(FAULT_STALL_FILE)
     return Path(value) if value else None
 

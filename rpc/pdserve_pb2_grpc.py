@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.SetPeers = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/SetPeers',
+                request_serializer=rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -50,6 +55,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetPeers(self, request, context):
+        """`workers`: see SetPeersRequest
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'SetPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPeers,
+                    request_deserializer=rpc_dot_pdserve__pb2.SetPeersRequest.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.SetPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             rpc_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/SetPeers',
+            rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
+            rpc_dot_pdserve__pb2.SetPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -27,10 +27,12 @@ from tests.worker_procs import REPO
 
 @pytest.fixture(scope="module")
 def embedded(smollm2_dir, tmp_path_factory):
-    """The default system (1 prefill, 1 decode) on an embedded Ray with room for a third worker."""
+    """The default system (1 prefill, 1 decode) on an embedded Ray with room for a third worker.
+    Its workers wedge while the file `stall` next to the log names them (engine/envs.py)."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4") as (proc, address):
+    with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4",
+                 env={"PDSERVE_FAULT_STALL_FILE": str(log.with_name("stall"))}) as (proc, address):
         yield f"http://127.0.0.1:{port}", address, log
 
 
@@ -108,13 +110,33 @@ def _load(url: str, stop: threading.Event, results: list[int]) -> None:
                            else -1)
 
 
+def _health_rounds(url: str) -> float:
+    """The controller's ok verdicts on the prefill worker so far: one per health round (its
+    metrics reach the gateway's /metrics with each round's membership push)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("pdserve_health_verdicts_total{") and 'pool="prefill"' in line
+               and 'verdict="ok"' in line)
+
+
 def test_scaling_up_and_down_under_load_fails_no_request(embedded):
-    url, address, _ = embedded
+    """While a new worker loads (held before its warm-up here), health rounds go on: a scale
+    holds the controller's lock only to change the pools, never through a worker's start."""
+    url, address, log = embedded
     stop, results = threading.Event(), []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    stall = log.with_name("stall")
+    stall.write_text("decode-1")  # the new decode worker does not get ready until this goes
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
         loads = [pool.submit(_load, url, stop, results) for _ in range(2)]
         try:
-            up = pdserve("scale", "--address", address, "--decode", "2", "--prefill", "1", timeout=240)
+            scaling = pool.submit(pdserve, "scale", "--address", address, "--decode", "2", "--prefill", "1",
+                                  timeout=240)
+            wait_for(lambda: deployment_status(address)["starting"], 120, "the new decode worker placed", log)
+            rounds = _health_rounds(url)
+            wait_for(lambda: _health_rounds(url) >= rounds + 2, 60, "two health rounds during the scale", log)
+            assert not scaling.done() and deployment_status(address)["starting"][0]["role"] == "decode"
+            stall.unlink()
+            up = scaling.result()
             assert up.returncode == 0, up.stderr
             status = deployment_status(address)
             assert len(status["pools"]["decode"]) == 2 and all(s["state"] == "ready" for s in status["pools"]["decode"])

@@ -412,6 +412,38 @@ def test_a_prefill_worker_gone_silent_costs_the_abort_bound_not_the_request(work
     assert_idle(d, victim)
 
 
+def test_a_silent_prefill_worker_that_leaves_the_deployment_frees_its_blocks(workers, reference):
+    """The same silence in a deployment: once the controller's membership (SetPeers) no
+    longer names the victim, it is known gone (the controller ends a worker's process
+    before it replaces or removes it): the blocks set aside for it are free again while it
+    is still frozen, its channel is closed, and a request that offers it is prefilled
+    elsewhere without a call to it."""
+    d, p, victim = workers.d, workers.p, workers.victim
+    everyone = [w.address for w in (workers.p, workers.d, workers.victim, workers.small, workers.term)]
+    rng = random.Random(13)
+    prompt, other = _prompt(rng, 450), _prompt(rng, 40)
+    want, want_other = reference([prompt, other], 8)
+    d.stub.SetPeers(pb.SetPeersRequest(workers=everyone), timeout=10)
+    result = _generate_held_by(d, victim, prompt, [victim.address], "left-req")
+    try:
+        with stalled(workers.stall["victim"]):
+            victim.proc.send_signal(signal.SIGSTOP)
+        assert result().tokens == want
+        _logged(d, "blocks set aside as left-req#unconfirmed")
+        s = d.stats()
+        assert s.free_blocks < s.total_blocks, s
+        d.stub.SetPeers(pb.SetPeersRequest(workers=[a for a in everyone if a != victim.address]), timeout=10)
+        _logged(d, f"request left-req: {victim.address} left the deployment; blocks set aside")
+        _logged(d, f"prefill peer {victim.address} left the deployment: its channel closed")
+        assert_idle(d)  # while the victim is still frozen
+        assert generate(d, other, prefill=[victim.address], rid="left-offered").tokens == want_other
+        _logged(d, f"prefill worker {victim.address} left out: not a worker of this deployment now")
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+        d.stub.SetPeers(pb.SetPeersRequest(workers=everyone), timeout=10)
+    assert_idle(d, victim)
+
+
 def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(workers, reference):
     d, p, victim = workers.d, workers.p, workers.victim
     rng = random.Random(4)

@@ -130,6 +130,8 @@ class EngineLoop:
     def warm_up(self) -> float:
         """Run the engine's warm-up step (before `start`, on the caller's thread) and learn
         from it the longest step to expect; returns its duration in seconds."""
+        while self._stalled():  # the injected wedge holds a starting worker too: it never gets ready
+            time.sleep(0.05)
         t0 = time.perf_counter()
         tokens = self.engine.warm_up()
         seconds = self._stretch(t0, tokens)
@@ -336,14 +338,15 @@ class EngineLoop:
         return dataclasses.replace(stats, seconds=seconds)
 
     def _stalled(self) -> bool:
-        """The injected wedge (envs.fault_stall_file): its file exists and is empty or names us."""
+        """The injected wedge (envs.fault_stall_file): its file exists and is empty or names us
+        (`decode-0-<incarnation>`, or `decode-0`: any incarnation of that worker)."""
         if self._stall_file is None or self._stop.is_set():
             return False
         try:
             names = self._stall_file.read_text().split()
         except OSError:  # no file (the usual case): one failed open per iteration
             return False
-        return not names or self.name in names
+        return not names or self.name in names or self.name.rsplit("-", 1)[0] in names
 
     def _iterate(self) -> bool:
         busy = self._drain()
