@@ -87,7 +87,7 @@ class Measurement:
     bf16: Rates
     float32: Rates
     seconds: float  # the calibration's own wall time, set-up included
-    median_ratio: float = math.nan  # `ratio` from the median repeats
+    median_ratio: float  # `ratio` from the median repeats
 
     @property
     def ratio(self) -> float:
@@ -180,7 +180,8 @@ def measure(shape: LayerShape = SMOLLM2_135M) -> Measurement:
                      for kind, (tokens, layers) in work.items()}
         return Rates(decode=1 / per_token["decode"], prefill=1 / per_token["prefill"])
 
-    medians = Measurement(rates(torch.bfloat16, statistics.median), rates(torch.float32, statistics.median), 0.0)
+    medians = Measurement(rates(torch.bfloat16, statistics.median), rates(torch.float32, statistics.median), 0.0,
+                          median_ratio=math.nan)
     return Measurement(rates(torch.bfloat16, min), rates(torch.float32, min), time.perf_counter() - start,
                        median_ratio=medians.ratio)
 

@@ -193,8 +193,11 @@ def _measurement(entry: object) -> Measurement | None:
                 raise ValueError("rates must be positive")
             return r
 
-        return Measurement(rates(entry["bf16"]), rates(entry["float32"]), float(entry["seconds"]),
-                           float(entry["median_ratio"]))
+        m = Measurement(rates(entry["bf16"]), rates(entry["float32"]), float(entry["seconds"]),
+                        float(entry["median_ratio"]))
+        if not (math.isfinite(m.median_ratio) and m.median_ratio > 0):
+            raise ValueError("median_ratio must be positive")
+        return m
     except (TypeError, KeyError, ValueError):
         if entry is not None:
             log.warning("a malformed dtype calibration entry (%r): measuring again", entry)

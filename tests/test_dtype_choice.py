@@ -98,7 +98,9 @@ def test_a_forced_calibration_is_cached_and_read_back_without_measuring(tmp_path
 
 @pytest.mark.parametrize("garbage", ["{not json", '{"version": 1, "entries": []}', '[1, 2]', b"\xff\xfe",
                                      '{"version": 1, "entries": {"KEY": {"bf16": "fast"}}}',
-                                     '{"version": 1, "entries": {"KEY": {"bf16": {"decode": -1, "prefill": 1}}}}'])
+                                     '{"version": 1, "entries": {"KEY": {"bf16": {"decode": -1, "prefill": 1}}}}',
+                                     '{"version": 1, "entries": {"KEY": {"bf16": {"decode": 1, "prefill": 1}, '
+                                     '"float32": {"decode": 1, "prefill": 1}, "seconds": 1, "median_ratio": NaN}}}'])
 def test_a_corrupt_cache_file_is_measured_again_and_rewritten(tmp_path, garbage):
     path, measurer = tmp_path / "dtype.json", Counted()
     if isinstance(garbage, str):
