@@ -5,7 +5,9 @@ client sends cancels its keep-alive timer: a few hundred connections that each t
 byte now and then hold every `--max-connections` slot for as long as they like. Here each
 connection gets `head_timeout_s` from the moment it opens, or from the end of its last
 response, to deliver a complete request head; past it the gateway answers 408 and closes.
-Once a head is in, the body has its own bound (`--body-timeout`, gateway/body_limit.py).
+Once a head is in, the body has its own bound (`--body-timeout`, gateway/body_limit.py);
+a request answered before its body was all in (that 408, a 413) has its connection closed
+with the answer, since the rest of the body would be read with no deadline.
 
 Deadlines bound how long one connection can be held; `--max-connections-per-ip` bounds how
 many one client address holds while they run (gateway/per_ip_cap.py): a connection counts
@@ -72,7 +74,11 @@ class HeadDeadlineProtocol(H11Protocol):
         self._leave_once_received()
 
     def on_response_complete(self) -> None:
+        early = self.conn.their_state is h11.SEND_BODY  # answered before its body was in (a 408, a 413)
         super().on_response_complete()
+        if early and not self.transport.is_closing():
+            self.transport.close()  # the rest of that body is never read: a trickle would hold it with no deadline
+            return
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_head_timer()  # the next head has the same deadline, counted from now
         pipelined = self.conn.their_state is h11.SEND_BODY or (self.conn.their_state is h11.IDLE

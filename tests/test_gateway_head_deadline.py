@@ -16,7 +16,7 @@ from tests.gateway_procs import gateway
 @pytest.fixture(scope="module")
 def url(smollm2_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("head") / "gateway.log"
-    with gateway(smollm2_dir, ["127.0.0.1:1"], [], log, "--header-timeout", "1") as url:
+    with gateway(smollm2_dir, ["127.0.0.1:1"], [], log, "--header-timeout", "1", "--body-timeout", "1") as url:
         yield url
 
 
@@ -67,3 +67,19 @@ def test_a_keep_alive_connection_gets_the_deadline_again_after_each_response(url
         assert first.startswith(b"HTTP/1.1 200"), first[:200]
         answer, closed = _read_until_closed(sock, b"GET /health HTTP/1.1\r\nX-Slow: ")
     assert closed and answer.startswith(b"HTTP/1.1 408"), answer[:200]
+
+
+def test_a_connection_answered_before_its_body_arrived_is_closed_not_left_trickling(url):
+    """A body that stopped gets its 408 (--body-timeout); the rest of that body is never
+    read, so the connection closes with the answer: a client trickling on afterwards holds
+    nothing (it did hold a connection, with no deadline, for as long as it kept sending)."""
+    u = urlparse(url)
+    with _connect(url) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100000\r\n\r\n{".encode())
+        sock.settimeout(30)
+        answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        rest, closed = _read_until_closed(sock, b" " * 200, limit_s=10)
+    assert closed, answer + rest
+
