@@ -35,7 +35,8 @@ from deploy.workload import Request, sharegpt_requests
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, resolve_dtype
 from engine.model_source import resolve_model
-from kernels.host import auto_dtype, cpu
+from kernels.dtype_choice import auto_dtype
+from kernels.host import cpu
 
 
 def log(msg: str) -> None:

@@ -128,7 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 1
     _say(f"model ready in {time.monotonic() - t0:.1f}s: {path}")
     if config.dtype == "auto":
-        from kernels.host import auto_dtype, cpu
+        from kernels.dtype_choice import auto_dtype  # measured once per host kind, cached for the workers
+        from kernels.host import cpu
 
         dtype, why = auto_dtype()
         _say(f"dtype auto: {str(dtype).removeprefix('torch.')} on this host, because {why} [{cpu().describe()}]; "
