@@ -1,4 +1,7 @@
-"""Decode worker: KV reservation, continuous batching, preemption, token streaming.
+"""Decode worker: KV reservation, remote or local prefill, continuous batching, preemption
+and token streaming (docs/design.md steps 5-11).
 
-Not built yet; see DESIGN.md (request lifecycle steps 5, 8-11).
+`python -m decode`; role.py builds it over an engine, worker.py runs it on the engine
+loop, remote_prefill.py drives its prefill workers, kv_source*.py hands a drained worker's
+KV over, service.py is its gRPC face.
 """

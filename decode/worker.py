@@ -1,4 +1,4 @@
-"""The decode worker: owns each request from Generate to release (DESIGN.md steps 5, 8-11).
+"""The decode worker: owns each request from Generate to release (docs/design.md steps 5, 8-11).
 
 Runs on its EngineLoop thread. A request with prefill workers and a long enough uncached
 prompt reserves its blocks and asks the first prefill worker to fill them (moving down

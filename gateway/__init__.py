@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP gateway (FastAPI): auth, admission, routing, SSE. Never imports torch.
 
-app (routes), protocol (request bodies), admission (load shedding), router (which workers),
-tenants (API keys and limits), backend (gRPC to the workers), responses (SSE and JSON
-bodies), metrics (Prometheus), body_limit (ASGI body cap). DESIGN.md, request lifecycle
-steps 1-4 and 10-11.
+The path of a request through its files is docs/design.md steps 1-4 and 10-11: app
+(routes), the front-door middleware (request_id, head_deadline with per_ip_cap,
+body_limit), protocol and params (request bodies), tenants, admission (load shedding),
+request_path (one request's claims and answer), router and readiness (which workers),
+backend and decode_stream (gRPC to the workers), responses, text_stream and logprobs (SSE
+and JSON bodies), metrics and scrape (Prometheus).
 """

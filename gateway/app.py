@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front door (DESIGN.md steps 1-4 and 10-11): routes only.
+"""The OpenAI-compatible HTTP front door (docs/design.md steps 1-4 and 10-11): routes only.
 Never imports torch.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not)

@@ -1,5 +1,5 @@
 """The prefill worker: chunked prefill of prompts and a push of each finished chunk's KV
-blocks into the blocks a decode worker reserved (DESIGN.md steps 6-7).
+blocks into the blocks a decode worker reserved (docs/design.md steps 6-7).
 
 Runs on its EngineLoop thread. The engine's scheduler does the chunking (token budget per
 step, several prompts per forward, priorities, its own prefix cache); after every step
