@@ -24,7 +24,7 @@ The package, one concept a module: `sizes` (the constants and the scenario sizes
 `report` (how a request ended, a scenario's result, the table), `client` (the HTTP client
 that classifies every answer), `deployment` (`pdserve serve` as a subprocess), `context`
 (what every scenario gets, and `settle` after it), the scenarios in `faults`, `transfer`, `load`
-and `abuse`, their order in `scenarios`, and the command line in `cli`.
+`abuse` and `tenant_abuse` (with `slow_bodies`), their order and deployments in `scenarios`, and the command line in `cli`.
 """
 
 from __future__ import annotations
@@ -37,15 +37,16 @@ from bench.chaos.deployment import BIN, REPO, Deployment, free_port
 from bench.chaos.faults import kill_decode, kill_gateway, kill_prefill, wedged_decode
 from bench.chaos.load import LEAVE_KINDS, overload, storm
 from bench.chaos.report import Outcome, Record, Result, table
-from bench.chaos.scenarios import SCENARIOS
+from bench.chaos.scenarios import OWN_DEPLOYMENT, SCENARIOS, SHARED_DEPLOYMENT
+from bench.chaos.tenant_abuse import tenant_abuse
 from bench.chaos.transfer import transfer_error, transfer_slow, transfer_stuck
 from bench.chaos.sizes import (CLIENT_TIMEOUT_S, FULL, KV_BLOCKS, MAX_OUTPUT_TOKENS, MAX_TTFT_S, MODEL, QUICK,
                                RECOVERY_TIMEOUT_S, TOKENS, Sizes)
 
 __all__ = [
     "BIN", "CLIENT_TIMEOUT_S", "FULL", "KV_BLOCKS", "LEAVE_KINDS", "MAX_OUTPUT_TOKENS", "MAX_TTFT_S", "MODEL", "QUICK",
-    "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
+    "OWN_DEPLOYMENT", "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "SHARED_DEPLOYMENT", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
     "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_gateway",
-    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "transfer_error",
+    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "tenant_abuse", "transfer_error",
     "transfer_slow", "transfer_stuck", "until", "wedged_decode",
 ]

@@ -17,8 +17,8 @@ from pathlib import Path
 from bench.chaos.context import Chaos
 from bench.chaos.deployment import Deployment
 from bench.chaos.report import table
-from bench.chaos.scenarios import SCENARIOS
-from bench.chaos.sizes import FULL, MAX_TTFT_S, QUICK
+from bench.chaos.scenarios import OWN_DEPLOYMENT, SCENARIOS, SHARED_DEPLOYMENT
+from bench.chaos.sizes import FULL, QUICK
 from engine import envs
 
 
@@ -50,16 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in SCENARIOS if n in names]  # the killers always last
     sizes = QUICK if args.quick else FULL
     results, trouble = [], []
-    # Shedding is the overload's subject only: the other scenarios test faults, so their
-    # deployment never sheds (a 429 would hide what a fault did to a request).
-    for group, bound in (([n for n in names if n == "overload"], MAX_TTFT_S),
-                         ([n for n in names if n != "overload"], None)):
+    groups = [([n], OWN_DEPLOYMENT[n]) for n in names if n in OWN_DEPLOYMENT]
+    groups.append(([n for n in names if n not in OWN_DEPLOYMENT], SHARED_DEPLOYMENT))
+    for group, options in groups:
         if not group:
             continue
-        # Two prefill workers where the faults run: one of them may fail while the other serves.
-        dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, bound,
-                         prefill_replicas=1 if bound is not None else 2)
-        _say(f"starting pdserve serve, TTFT bound {bound} (log: {dep.log})")
+        dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, **options)
+        _say(f"starting pdserve serve for {', '.join(group)}, TTFT bound {dep.max_ttft_s} (log: {dep.log})")
         dep.start()
         ctx = Chaos(dep, sizes, random.Random(args.seed))
         try:

@@ -22,19 +22,22 @@ def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: boo
             "ignore_eos": True, "temperature": 0.0, "stream": stream}
 
 
-def client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0),
+def client(api_key: str | None = None) -> httpx.AsyncClient:
+    """The scenarios' HTTP client; with `api_key`, every request is that tenant's."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0), headers=headers,
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
 
 
 async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: float | None = None,
                leave_after_chunks: int | None = None, on_text: Callable[[], None] | None = None,
-               timeout_s: float = CLIENT_TIMEOUT_S) -> Record:
-    """POST /v1/completions and say how it ended. The client leaves on purpose (closing the
-    connection) after `leave_after_s` seconds or after `leave_after_chunks` text chunks."""
+               timeout_s: float = CLIENT_TIMEOUT_S, path: str = "/v1/completions") -> Record:
+    """POST `path` (/v1/completions; or /v1/chat/completions) and say how it ended. The client
+    leaves on purpose (closing the connection) after `leave_after_s` seconds or after
+    `leave_after_chunks` text chunks."""
     rec = Record()
-    exchange = _exchange(http, url, body, rec, leave_after_chunks, on_text)
+    exchange = _exchange(http, url + path, body, rec, leave_after_chunks, on_text)
     try:
         if leave_after_s is None:
             await asyncio.wait_for(exchange, timeout_s)
@@ -48,11 +51,11 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: 
     return rec
 
 
-async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, leave_after_chunks: int | None,
+async def _exchange(http: httpx.AsyncClient, endpoint: str, body: dict, rec: Record, leave_after_chunks: int | None,
                     on_text: Callable[[], None] | None) -> None:
     t0 = rec.sent_at = time.monotonic()
     try:
-        async with http.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async with http.stream("POST", endpoint, json=body) as resp:
             rec.status, rec.answered_s = resp.status_code, time.monotonic() - t0
             if resp.status_code != 200 or not body.get("stream"):
                 _classify_body(rec, await resp.aread())
@@ -76,11 +79,12 @@ async def _exchange(http: httpx.AsyncClient, url: str, body: dict, rec: Record, 
                     errored, rec.error = True, str(event["error"].get("message"))
                     continue
                 for choice in event.get("choices") or ():
-                    if choice.get("text"):
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
                         rec.chunks += 1
                         now = time.monotonic()
                         if rec.ttft_s is not None:
-                            rec.max_gap_s = max(rec.max_gap_s, now - t0 - last_text_s)
+                            rec.gaps_s.append(now - t0 - last_text_s)
+                            rec.max_gap_s = max(rec.max_gap_s, rec.gaps_s[-1])
                         last_text_s = now - t0
                         if rec.ttft_s is None:
                             rec.ttft_s = time.monotonic() - t0
@@ -103,6 +107,7 @@ def _classify_body(rec: Record, raw: bytes) -> None:
     error = data.get("error") if isinstance(data, dict) else None
     if rec.status == 200:
         rec.outcome = Outcome.COMPLETED if isinstance(data, dict) and data.get("choices") else Outcome.DROPPED
+        rec.usage = data.get("usage") if isinstance(data, dict) else None
     elif isinstance(error, dict) and "message" in error:
         rec.outcome, rec.code, rec.error = Outcome.FAILED_CLEANLY, error.get("code"), str(error["message"])
     else:

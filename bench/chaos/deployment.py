@@ -44,11 +44,16 @@ class Deployment:
     internal gRPC token (and this process's environment carries it), so Stats can be read
     from every worker; PDSERVE_FAULT_STALL_FILE is set for the whole deployment (every worker
     inherits it) and names no worker until the wedge scenario writes one's name into it, and
-    PDSERVE_FAULT_TRANSFER_FILE names a file that exists only while a transfer fault is on."""
+    PDSERVE_FAULT_TRANSFER_FILE names a file that exists only while a transfer fault is on.
 
-    def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None, prefill_replicas: int = 1):
+    `tenants` (gateway/tenants.py's entries, API keys included) is written to a tenants file
+    the gateway serves with (None: open, no keys); `gateway` sets more of the deploy config's
+    gateway keys (deploy/config.py GatewaySettings)."""
+
+    def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None, prefill_replicas: int = 1,
+                 tenants: list[dict] | None = None, gateway: dict | None = None):
         self.workdir, self.sizes, self.max_ttft_s = workdir, sizes, max_ttft_s
-        self.prefill_replicas = prefill_replicas
+        self.prefill_replicas, self.tenants, self.gateway_settings = prefill_replicas, tenants, gateway or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "serve.log"
@@ -63,10 +68,15 @@ class Deployment:
         self._token_before: str | None = None
 
     def config(self, token: str) -> dict:
+        gateway = {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS, **self.gateway_settings}
+        if self.tenants is not None:
+            tenants = self.workdir / "tenants.json"
+            tenants.write_text(json.dumps({"tenants": self.tenants}))
+            gateway["tenants"] = str(tenants)
         return {"dtype": "auto", "prefill": {"replicas": self.prefill_replicas, "kv_blocks": KV_BLOCKS},
                 "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS,
                            "extra_args": ["--prefill-timeout", str(self.sizes.prefill_timeout_s)]},
-                "gateway": {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS},
+                "gateway": gateway,
                 "health_interval_s": self.sizes.health_interval_s, "unhealthy_after": self.sizes.unhealthy_after,
                 "internal_token": token}
 

@@ -24,6 +24,8 @@ class Record:
     ttft_s: float | None = None  # sent -> first text
     chunks: int = 0  # SSE chunks that carried text
     max_gap_s: float = 0.0  # the longest wait between two text chunks (a stream's worst stall)
+    gaps_s: list[float] = field(default_factory=list)  # every wait between two text chunks (inter-token latency)
+    usage: dict | None = None  # a non-streamed answer's "usage" (prompt_tokens_details.cached_tokens...)
     error: str = ""
 
 

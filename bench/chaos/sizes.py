@@ -33,7 +33,8 @@ class Sizes:
     unhealthy_after: int  # failed deep checks before a wedged worker is replaced
     transfer_requests: int  # long prompts sent at once through each KV-transfer fault
     prefill_timeout_s: float  # the decode workers' --prefill-timeout: how long a stuck transfer lasts
+    tenant_waves: int  # the tenants scenario's rounds of requests left halfway, and of slow schemas
 
 
-FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3, 8, 15.0)
-QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2, 4, 8.0)
+FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3, 8, 15.0, 4)
+QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2, 4, 8.0, 2)
