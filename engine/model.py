@@ -14,9 +14,10 @@ from torch import nn
 import kernels
 import kernels.linear
 import kernels.reference
-from engine.attention import AttentionMetadata, paged_attention
 from engine.config import ModelConfig
 from engine.rotary import RotaryEmbedding
+from kernels.attention_step import AttentionMetadata
+from kernels.op_set import OpSet
 
 
 class Linear(nn.Linear):
@@ -69,7 +70,7 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
-        ops,
+        ops: OpSet,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [num_tokens, hidden]
         """The residual adds are fused into the next norm: `add_rms_norm(x, residual)` is
         (norm(residual + x), residual + x), the same numbers as adding first."""
@@ -86,7 +87,7 @@ class DecoderLayer(nn.Module):
         qk = ops.rotary(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *cos_sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        attn = paged_attention(ops, q, k, v, k_cache, v_cache, meta, self.scale)
+        attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
@@ -132,7 +133,7 @@ class CausalLM(nn.Module):
     def prepare(self) -> None:
         """After the weights are loaded: pack matmul weights for the CPU kernels (a layer whose
         packed copies serve every row count then drops its unpacked weight)."""
-        library = self.ops.library() if hasattr(self.ops, "library") else None  # the native op set's
+        library = self.ops.matmul_library()
         for module in self.layers.modules():
             if isinstance(module, Linear):
                 module.pack(library)

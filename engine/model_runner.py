@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, build_decode_mask, group_by_length
+from engine.attention import step_attention
 from engine.grammar import allowed_next
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingMetadata, TokenLogprobs
 from engine.scheduler import SchedulerOutput
 from engine.step_buffers import StepBuffers, StepLimits
+from kernels.attention_step import PrefillSpan
 
 
 @dataclass
@@ -79,23 +80,8 @@ class ModelRunner:
                 sampled.append(c)
         step = self.buffers.fill(ids, positions, slot_blocks, [c.block_table for c in decodes],
                                  [c.context_len for c in decodes])
-        groups = []
-        # Gathering ops pay for padding: decodes go in groups of similar length. One that reads
-        # the blocks in place reads each context's own length: one group.
-        in_place = getattr(self.model.ops, "DECODE_IN_PLACE", False)
-        runs = [(0, len(decodes))] if in_place and decodes else group_by_length([c.context_len for c in decodes])
-        for i, j in runs:
-            width = max(len(c.block_table) for c in decodes[i:j])
-            # one contiguous copy per step (a strided view would be copied by every layer's kernel call)
-            tables, lens = step.decode_block_tables[i:j, :width].contiguous(), step.decode_context_lens[i:j]
-            mask = None if in_place else build_decode_mask(lens, width * bs).to(self.device)
-            groups.append(DecodeGroup(i, j, tables.to(self.device), lens.to(self.device), mask))
-        meta = AttentionMetadata(
-            slot_blocks=step.slot_blocks.to(self.device),
-            slot_offsets=step.slot_offsets.to(self.device),
-            decodes=groups,
-            prefills=spans,
-        )
+        meta = step_attention(self.model.ops, step, [len(c.block_table) for c in decodes],
+                              [c.context_len for c in decodes], spans, bs, self.device)
         return (step.input_ids.to(self.device), step.positions.to(self.device), meta,
                 torch.tensor(sample_rows, dtype=torch.int64), sampled)
 

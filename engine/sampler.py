@@ -15,9 +15,11 @@ probability probs[i]; the race costs a vocabulary of draws per row (0.8 ms for 4
 on one CPU core, 27 ms at batch 32: bench/sampler_cost.py), the inverse CDF one draw and a
 cumulative sum.
 
-On a batched op set (the Triton kernels on CUDA) temperature, truncation and the draw run
-as one kernel over the whole batch (`ops.sample`, kernels/sampling.py), fed dense per-row
-parameters; its rows without a seed get a fresh seed per step from the torch generator.
+The op set picks the form (`OpSet.sample_step`, handed a `RowDraw`): the torch and native
+op sets take the torch stages here (`RowDraw.per_row`); the Triton kernels on CUDA run
+temperature, truncation and the draw as one kernel over the whole batch
+(kernels/sampling.py), fed dense per-row parameters (`RowDraw.dense`), where rows without
+a seed get a fresh seed per step from the torch generator.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import kernels
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.seeded_random import seeded_exponentials
+from kernels.op_set import DenseSampling
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32.
 _MIN_TEMPERATURE = 1e-5
@@ -298,18 +301,39 @@ class Sampler:
         if meta.all_greedy:
             token_ids = ops.argmax(processed)  # [num_seqs]
         else:
-            if ops.BATCHED:
-                token_ids = ops.sample(processed, meta.temperature, *self._dense_params(meta, processed.device))
-            else:
-                token_ids = self._sample(sampling_probs(processed, meta), meta)
+            token_ids = ops.sample_step(processed, RowDraw(meta, self.generator))
             if meta.greedy is not None:
                 token_ids = torch.where(meta.greedy, ops.argmax(processed), token_ids)
         ids = token_ids.tolist()
         return SamplerOutput(ids, _logprobs(logits, token_ids, ids, meta))
 
-    def _dense_params(self, meta: SamplingMetadata, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """(top_k, top_p, min_p, seeds, positions), each [num_seqs], neutral where unused;
-        rows without a seed draw a random one (position 0) from the generator."""
+
+@dataclass(frozen=True)
+class RowDraw:
+    """One step's sampled rows in the two forms an op set takes (kernels.op_set.StepSampling)."""
+
+    meta: SamplingMetadata
+    generator: torch.Generator | None  # for unseeded rows; None: torch's default
+
+    def per_row(self, processed: torch.Tensor) -> torch.Tensor:  # [num_seqs, vocab] -> [num_seqs]
+        """An exact draw from each row's truncated distribution: inverse CDF on unseeded rows,
+        the seeded exponential race on seeded ones."""
+        meta, probs = self.meta, sampling_probs(processed, self.meta)
+        if not meta.any_seeded:
+            return _inverse_cdf(probs, self.generator)
+        token_ids = torch.empty(meta.num_seqs, dtype=torch.int64, device=probs.device)
+        if meta.seeded_rows.numel() < meta.num_seqs:
+            unseeded = torch.ones(meta.num_seqs, dtype=torch.bool, device=probs.device)
+            unseeded[meta.seeded_rows] = False
+            token_ids[unseeded] = _inverse_cdf(probs[unseeded], self.generator)
+        exp = seeded_exponentials(meta.seeds, meta.positions, meta.vocab_size)  # [num_seeded, vocab]
+        token_ids[meta.seeded_rows] = (probs[meta.seeded_rows] / exp).argmax(dim=-1)
+        return token_ids
+
+    def dense(self) -> DenseSampling:
+        """Each row's parameters, neutral where unused; rows without a seed draw a random one
+        (position 0) from the generator."""
+        meta, device = self.meta, self.meta.temperature.device
         n = meta.num_seqs
         top_k = torch.zeros(n, dtype=torch.int64, device=device)
         top_p = torch.ones(n, dtype=torch.float32, device=device)
@@ -323,21 +347,7 @@ class Sampler:
         if meta.any_seeded:
             seeds[meta.seeded_rows] = meta.seeds
             positions[meta.seeded_rows] = meta.positions
-        return top_k, top_p, min_p, seeds, positions
-
-    def _sample(self, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """An exact draw from each row of `probs`: inverse CDF on unseeded rows, the seeded
-        exponential race on seeded ones."""
-        if not meta.any_seeded:
-            return _inverse_cdf(probs, self.generator)
-        token_ids = torch.empty(meta.num_seqs, dtype=torch.int64, device=probs.device)
-        if meta.seeded_rows.numel() < meta.num_seqs:
-            unseeded = torch.ones(meta.num_seqs, dtype=torch.bool, device=probs.device)
-            unseeded[meta.seeded_rows] = False
-            token_ids[unseeded] = _inverse_cdf(probs[unseeded], self.generator)
-        exp = seeded_exponentials(meta.seeds, meta.positions, meta.vocab_size)  # [num_seeded, vocab]
-        token_ids[meta.seeded_rows] = (probs[meta.seeded_rows] / exp).argmax(dim=-1)
-        return token_ids
+        return DenseSampling(meta.temperature, top_k, top_p, min_p, seeds, positions)
 
 
 def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

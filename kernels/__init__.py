@@ -11,18 +11,12 @@ where the native library is cached), overrides the choice: `torch` takes the ref
 everywhere, `triton` the Triton kernels everywhere (on CPU they run in Triton's
 interpreter: slow, for tests), `native` requires the native op set (an error without it).
 
-An op set is a module with:
-  NAME, BATCHED   "torch"/False, "native"/False or "triton"/True
-  DECODE_IN_PLACE (native) paged_decode_attention takes the step's decodes, context lengths
-  PREFILL_IN_PLACE (native) paged_prefill_attention takes the step's prefill chunks (varlen)
-  write_kv, rms_norm, add_rms_norm, rotary, silu_mul, pack_blocks, unpack_blocks,
-  argmax (greedy rows' tokens)
-  BATCHED False:  decode_attention (one padded group of decodes), prefill_attention (one
-                  chunk over its gathered context), gather_context; engine/sampler.py
-                  samples with its own torch stages
-  BATCHED True:   paged_decode_attention (every decode of the step), paged_prefill_attention
-                  (every prefill chunk, varlen), sample (the whole batch)
-kernels.reference also has the BATCHED forms (the oracles of the Triton kernels).
+An op set is an `OpSet` (kernels/op_set.py: every method with its shapes), one class per
+backend: `reference.TorchOps`, `native_ops.NativeOps`, `triton_ops.TritonOps`, each module's
+`OPS`. How a backend takes a step's attention (padded groups, in place, batched) and its
+sampling (the engine's torch stages or one kernel) is behind `plan_decodes`,
+`attention_step` and `sample_step`; kernels.reference's module functions are also every
+kernel's oracle.
 """
 
 from __future__ import annotations
@@ -31,11 +25,11 @@ import functools
 import logging
 import os
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from kernels.host import log_choice
+from kernels.op_set import OpSet
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +45,7 @@ def kernel_choice() -> str:
     return value
 
 
-def get_ops(device: torch.device | str) -> ModuleType:
+def get_ops(device: torch.device | str) -> OpSet:
     """The op set for tensors on `device` (see the module docstring)."""
     choice = kernel_choice()
     device = torch.device(device)
@@ -68,7 +62,7 @@ def get_ops(device: torch.device | str) -> ModuleType:
 
         log_choice(f"kernels on {device.type}", "torch ops (kernels.reference)",
                    "PDSERVE_KERNELS=torch" if choice == "torch" else "the native kernels cannot be built here")
-        return reference
+        return reference.OPS
     ops = _triton_ops(device)
     log_choice(f"kernels on {device.type}", "Triton" + (" (interpreter)" if device.type == "cpu" else ""),
                "PDSERVE_KERNELS=triton" if choice == "triton" else "a CUDA device")
@@ -76,8 +70,8 @@ def get_ops(device: torch.device | str) -> ModuleType:
 
 
 @functools.cache
-def _native_ops(choice: str) -> ModuleType | None:
-    """kernels.native_ops, its library built for this host (once per process), or None
+def _native_ops(choice: str) -> OpSet | None:
+    """The native op set, its library built for this host (once per process), or None
     with the reason logged."""
     from kernels import native, native_ops
 
@@ -89,10 +83,10 @@ def _native_ops(choice: str) -> ModuleType | None:
         return None
     log_choice("kernels on cpu", f"native kernels ({native.isa_level()}) + torch ops",
                "PDSERVE_KERNELS=native" if choice == "native" else "a C++ compiler built them for this CPU")
-    return native_ops
+    return native_ops.OPS
 
 
-def _triton_ops(device: torch.device) -> ModuleType:
+def _triton_ops(device: torch.device) -> OpSet:
     if device.type == "cpu":
         # The interpreter must be on before the kernels are defined (at their first import).
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -104,4 +98,4 @@ def _triton_ops(device: torch.device) -> ModuleType:
     if device.type == "cpu" and not triton_ops.INTERPRET:
         raise RuntimeError("Triton kernels on CPU tensors run only in Triton's interpreter: set "
                            "TRITON_INTERPRET=1 before kernels.triton_ops is first imported")
-    return triton_ops
+    return triton_ops.OPS

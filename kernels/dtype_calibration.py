@@ -153,7 +153,7 @@ def measure(shape: LayerShape = SMOLLM2_135M) -> Measurement:
     """Both dtypes' decode and prefill rates on this host, at torch's thread count now."""
     start = time.perf_counter()
     ops = kernels.get_ops("cpu")
-    library = ops.library() if ops.NAME == "native" else None
+    library = ops.matmul_library()
     decode_layers = _layers_beyond_cache(shape)
     steps: dict[tuple[torch.dtype, str], Callable[[], None]] = {}
     work: dict[str, tuple[int, int]] = {"decode": (DECODE_SEQS, decode_layers), "prefill": (PREFILL_TOKENS, 1)}

@@ -95,7 +95,7 @@ def packing_supported() -> tuple[bool, str]:
 
 def pack_weight(weight: torch.Tensor, library: ctypes.CDLL | None = None) -> PackedWeight | None:
     """The packed copies of a [out, in] weight, or None where packing does not apply.
-    `library`: the native library (kernels.native_ops.library()), for the small-batch kernels."""
+    `library`: the native library (the native op set's `matmul_library()`), for the small-batch kernels."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     kernel, why = native_kernel(weight.dtype)

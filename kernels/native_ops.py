@@ -1,52 +1,28 @@
-"""The CPU op set with native kernels where they win: the torch ops of kernels.reference,
-but decode and prefill attention read K/V in place through the block tables
-(kernels/native.py, kernels/csrc/paged_decode.cpp, paged_prefill.cpp) instead of gathering
-every block into a copy first, and
+"""The CPU op set with native kernels where they win (`NativeOps`): the torch ops of
+kernels.reference, but decode and prefill attention read K/V in place through the block
+tables (kernels/native.py, kernels/csrc/paged_decode.cpp, paged_prefill.cpp) instead of
+gathering every block into a copy first, and
 RMS norm (with its residual add), rotary and SiLU-and-multiply are one pass each
 (kernels/csrc/norm_act.cpp) instead of a chain of torch ops, and greedy rows take their
 argmax natively (greedy.cpp: ~8x torch's on a batch-32 step's logits). Any tensor a kernel does not
 take (float64 in tests, odd widths) runs the reference op.
 
-`kernels.get_ops` returns this module on CPU with PDSERVE_KERNELS=native (an error if the
-library cannot be built here). DECODE_IN_PLACE tells engine/attention.py to call
-`paged_decode_attention` with context lengths, one call over all the step's decodes;
-PREFILL_IN_PLACE, `paged_prefill_attention` once over all the step's prefill chunks.
+`kernels.get_ops` returns `OPS` on CPU where the library builds (with PDSERVE_KERNELS=native,
+an error if it cannot). Reading in place, a step's decodes are one group (each row read up
+to its own context length: no padding to pay for) and its prefill chunks one varlen call.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kernels import native, reference
-from kernels.reference import (  # noqa: F401  (the rest of the op set, unchanged)
-    decode_attention,
-    gather_context,
-    pack_blocks,
-    prefill_attention,
-    sample,
-    sampling_mask,
-    unpack_blocks,
-    write_kv,
-)
+from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes, VarlenMetadata
 
-__all__ = ["NAME", "BATCHED", "DECODE_IN_PLACE", "PREFILL_IN_PLACE", "init", "library", "paged_decode_attention", "add_rms_norm",
-           "argmax",
-           "decode_attention", "gather_context", "pack_blocks", "paged_prefill_attention", "prefill_attention",
-           "rms_norm", "rotary", "sample", "sampling_mask", "silu_mul", "unpack_blocks", "write_kv"]
-
-NAME = "native"
-BATCHED = False
-DECODE_IN_PLACE = True
-PREFILL_IN_PLACE = True
-
-_lib = None
-
-
-def library():
-    """The loaded native library (for kernels.linear's small-batch matmul)."""
-    return _lib
+_lib = None  # the loaded library (`init`)
 
 
 def init(cache_dir: Path) -> None:
@@ -109,3 +85,38 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     done = native.argmax(_lib, x)
     return reference.argmax(x) if done is None else done
+
+
+class NativeOps(reference.TorchOps):
+    """kernels.reference.TorchOps with the native kernels above; decodes in one group, read in
+    place, and every prefill chunk in one call."""
+
+    name = "native"
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rotary = staticmethod(rotary)
+    silu_mul = staticmethod(silu_mul)
+    argmax = staticmethod(argmax)
+    paged_decode_attention = staticmethod(paged_decode_attention)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+
+    def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:
+        return [decodes.group(0, len(decodes), device)] if len(decodes) else []
+
+    def attention_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
+        parts = [self.paged_decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.context_lens,
+                                             scale) for g in meta.decodes]
+        if meta.prefills:  # every chunk in one call
+            vm = VarlenMetadata.of(meta)
+            parts.append(self.paged_prefill_attention(q[vm.num_decodes:], k_cache, v_cache, vm.prefill_cu_seqlens,
+                                                      vm.prefill_context_lens, vm.prefill_block_tables,
+                                                      vm.max_prefill_len, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def matmul_library(self) -> Any | None:
+        return _lib
+
+
+OPS = NativeOps()

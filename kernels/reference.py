@@ -1,5 +1,6 @@
-"""Torch reference ops: the CPU production path, and the oracle every Triton kernel is
-tested against (kernels/triton_ops.py has the same names and signatures).
+"""Torch reference ops: the CPU op set where no native kernels build (`TorchOps`, below),
+and the oracle every kernel is tested against (kernels/triton_ops.py and
+kernels/native_ops.py have the same names and signatures).
 
 KV pool layout (see engine/kv_cache.py): per layer a view `k_cache, v_cache` of shape
 [num_blocks, block_size, num_kv_heads, head_dim]; a token's slot is
@@ -8,11 +9,13 @@ KV pool layout (see engine/kv_cache.py): per layer a view `k_cache, v_cache` of 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-NAME = "torch"
-BATCHED = False  # the engine calls attention per decode group / prefill span, samples itself
+from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes, group_by_length
+from kernels.op_set import OpSet, StepSampling
 
 
 def write_kv(
@@ -214,3 +217,53 @@ def sample(
     keep = sampling_mask(logits, temperature, top_k, top_p, min_p)
     probs = (logits / temperature[:, None]).masked_fill(~keep, float("-inf")).softmax(dim=-1)
     return (probs / exponentials).argmax(dim=-1)
+
+
+class TorchOps(OpSet):
+    """The op set of the functions above. A step's decodes go in groups of similar context
+    length (`group_by_length`: a gathering op pays for every padded position), each gathered
+    and masked (`decode_attention`); prefill chunks one by one over their gathered context
+    (`prefill_attention`); sampling by the engine's torch stages."""
+
+    name = "torch"
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rotary = staticmethod(rotary)
+    silu_mul = staticmethod(silu_mul)
+    argmax = staticmethod(argmax)
+    write_kv = staticmethod(write_kv)
+    pack_blocks = staticmethod(pack_blocks)
+    unpack_blocks = staticmethod(unpack_blocks)
+    paged_decode_attention = staticmethod(paged_decode_attention)
+    paged_prefill_attention = staticmethod(paged_prefill_attention)
+    # The per-group and per-chunk forms `attention_step` takes.
+    decode_attention = staticmethod(decode_attention)
+    prefill_attention = staticmethod(prefill_attention)
+    gather_context = staticmethod(gather_context)
+
+    def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:
+        return [decodes.masked_group(i, j, device) for i, j in group_by_length(decodes.lengths)]
+
+    def attention_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
+        parts = [self.decode_attention(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.mask, scale)
+                 for g in meta.decodes]
+        for span in meta.prefills:
+            s, e = span.start, span.start + span.num_new
+            if span.context_len == span.num_new:  # no cached prefix: the chunk is its own context
+                kc, vc = k[s:e], v[s:e]
+            else:
+                kc = self.gather_context(k_cache, span.block_table, span.context_len)
+                vc = self.gather_context(v_cache, span.block_table, span.context_len)
+            parts.append(self.prefill_attention(q[s:e], kc, vc, scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def sample_step(self, processed: torch.Tensor, rows: StepSampling) -> torch.Tensor:
+        return rows.per_row(processed)
+
+    def matmul_library(self) -> Any | None:
+        return None
+
+
+OPS = TorchOps()

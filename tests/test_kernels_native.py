@@ -12,6 +12,7 @@ import torch
 
 import kernels
 from kernels import native, native_ops, reference
+from kernels.attention_step import StepDecodes
 
 LEVELS = native.runnable_levels()
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
@@ -104,8 +105,11 @@ def test_shapes_the_kernel_cannot_take_are_refused(libraries):
 
 def test_pdserve_kernels_native_selects_the_native_op_set(monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNELS", "native")
-    assert kernels.get_ops("cpu") is native_ops
-    assert native_ops.DECODE_IN_PLACE and not native_ops.BATCHED
+    assert kernels.get_ops("cpu") is native_ops.OPS
+    # in place: the step's decodes are one group, read up to each context length (no mask)
+    decodes = StepDecodes(torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 8]), [5, 8], [2, 1], 4)
+    (group,) = native_ops.OPS.plan_decodes(decodes, "cpu")
+    assert (group.start, group.end, group.mask) == (0, 2, None)
     with pytest.raises(ValueError, match="for CPU tensors"):
         kernels.get_ops("cuda")
     q = torch.randn(2, 4, 16, dtype=torch.float64)  # float64 (tests' exact dtype): the reference serves it
@@ -118,12 +122,12 @@ def test_pdserve_kernels_native_selects_the_native_op_set(monkeypatch):
 def test_auto_takes_the_native_op_set_on_cpu_and_the_torch_ops_without_a_compiler(monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
     kernels._native_ops.cache_clear()
-    assert kernels.get_ops("cpu") is native_ops
+    assert kernels.get_ops("cpu") is native_ops.OPS
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     kernels._native_ops.cache_clear()
     try:
-        assert kernels.get_ops("cpu") is reference
+        assert kernels.get_ops("cpu") is reference.OPS
         monkeypatch.setenv("PDSERVE_KERNELS", "native")
         with pytest.raises(RuntimeError, match="cannot be built here"):
             kernels.get_ops("cpu")
@@ -146,7 +150,7 @@ def test_the_engine_gives_the_same_greedy_tokens_through_the_native_op_set(tmp_p
     for choice in ("torch", "native"):
         monkeypatch.setenv("PDSERVE_KERNELS", choice)
         engine = LLMEngine.from_folder(folder, "float32", CacheConfig(16, 64), SchedulerConfig(64, 8, 512))
-        assert engine.runner.model.ops is (native_ops if choice == "native" else reference)
+        assert engine.runner.model.ops is (native_ops.OPS if choice == "native" else reference.OPS)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         tokens = {f"r{i}": [] for i in range(len(prompts))}

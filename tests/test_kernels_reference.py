@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import linear as klinear
-from engine.attention import build_decode_mask
+from kernels.attention_step import build_decode_mask
 
 H, KVH, D, BS = 6, 2, 16, 4
 
@@ -84,7 +84,7 @@ def test_packed_bf16_linear_matches_f_linear(m):
 
 
 def test_group_by_length_covers_every_decode_once_and_splits_outliers():
-    from engine.attention import group_by_length
+    from kernels.attention_step import group_by_length
 
     assert group_by_length([]) == []
     assert group_by_length([5, 5, 6]) == [(0, 3)]

@@ -35,11 +35,11 @@ TOL = {  # output vs a float32 reference on the same (rounded) inputs
 def test_the_interpreter_is_on_and_dispatch_follows_pdserve_kernels(monkeypatch):
     assert tri.INTERPRET
     monkeypatch.delenv("PDSERVE_KERNELS", raising=False)
-    assert kernels.get_ops("cpu") is native_ops  # auto on CPU: the native op set where g++ builds it
+    assert kernels.get_ops("cpu") is native_ops.OPS  # auto on CPU: the native op set where g++ builds it
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
-    assert kernels.get_ops("cpu") is tri
+    assert kernels.get_ops("cpu") is tri.OPS
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")
-    assert kernels.get_ops("cpu") is ref
+    assert kernels.get_ops("cpu") is ref.OPS
     monkeypatch.setenv("PDSERVE_KERNELS", "cuda")
     with pytest.raises(ValueError, match="auto, torch, triton, native"):
         kernels.get_ops("cpu")
