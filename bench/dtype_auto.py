@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.offline import greedy, log, warm_prompts
-from deploy.workload import sharegpt_requests
+from deploy.planner.workload import sharegpt_requests
 from engine import LLM
 from kernels.dtype_choice import CalibrationMode, choose, decide
 from kernels.host import cpu

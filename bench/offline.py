@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.roofline import DecodeResult, MachineRates, measure_decode
-from deploy.workload import Request, sharegpt_requests
+from deploy.planner.workload import Request, sharegpt_requests
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, resolve_dtype
 from engine.model_source import resolve_model

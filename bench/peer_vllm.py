@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench.roofline import MachineRates, decode_roofline
-from deploy.workload import fixed_requests, sharegpt_requests
+from deploy.planner.workload import fixed_requests, sharegpt_requests
 from engine import envs
 from engine.config import ModelConfig, resolve_dtype
 from engine.model_source import resolve_model

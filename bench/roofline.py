@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from deploy.workload import fixed_requests
+from deploy.planner.workload import fixed_requests
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 

@@ -1,31 +1,24 @@
-"""The serving benchmark's metrics, pure (no I/O): request records, percentiles, SLO
-attainment and goodput. Their definitions are in bench/serving.py's docstring."""
+"""The serving benchmark's metrics, pure (no I/O): request records, and their percentiles,
+SLO attainment and goodput. The statistics themselves are deploy/planner/slo.py's, the
+planner's and the simulator's too (their meaning for a measured run is in bench/serving.py's
+docstring)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
-GOOD_ATTAINMENT = 0.9  # a rate "passes" at this share of good requests
-QUANTILES = (50, 90, 99)
+from deploy.planner.slo import QUANTILES, SLO, attainment, passes, percentile
+from deploy.planner.slo import TARGET_ATTAINMENT as GOOD_ATTAINMENT
+
+__all__ = ["GOOD_ATTAINMENT", "QUANTILES", "SLO", "Load", "RequestRecord", "Run", "Status", "distribution", "goodput",
+           "met_by", "next_probe", "percentile", "summarize"]
 
 
 class Status(str, Enum):
     OK = "ok"
     FAILED = "failed"
     REJECTED = "rejected"  # HTTP 429: the server shed it
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tpot_s: float
-
-    def met_by(self, r: RequestRecord) -> bool:
-        """Finished and within every SLO (a one-token output has no TPOT to miss)."""
-        return (r.status is Status.OK and r.ttft_s is not None and r.ttft_s <= self.ttft_s
-                and (r.tpot_s is None or r.tpot_s <= self.tpot_s))
 
 
 @dataclass
@@ -71,15 +64,9 @@ class Run:
                 "requests": [{**asdict(r), "status": r.status.value} for r in self.requests]}
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile, linear between closest ranks (numpy's default); None if empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+def met_by(slo: SLO, r: RequestRecord) -> bool:
+    """Finished and within every SLO (a one-token output has no TPOT to miss)."""
+    return r.status is Status.OK and slo.met(r.ttft_s, r.tpot_s)
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -90,7 +77,7 @@ def distribution(values: list[float]) -> dict[str, float | None]:
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict:
     ok = [r for r in records if r.status is Status.OK]
-    good = sum(slo.met_by(r) for r in records)
+    good = sum(met_by(slo, r) for r in records)
     return {
         "total": len(records), "ok": len(ok),
         "failed": sum(r.status is Status.FAILED for r in records),
@@ -101,13 +88,13 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO) -> dict
         "tpot_s": distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
         "itl_s": distribution([x for r in ok for x in r.itl_s]),
         "e2e_s": distribution([r.e2e_s for r in ok]),
-        "good": good, "slo_attainment": good / len(records) if records else 0.0,
+        "good": good, "slo_attainment": attainment(good, len(records)),
     }
 
 
 def goodput(runs: list[Run]) -> float | None:
     """Highest passing rate (open loop), or the throughput at the highest passing concurrency."""
-    passing = [r for r in runs if r.summary["slo_attainment"] >= GOOD_ATTAINMENT]
+    passing = [r for r in runs if passes(r.summary["slo_attainment"])]
     if not passing:
         return None
     best = max(passing, key=lambda r: r.load.x)
@@ -117,7 +104,7 @@ def goodput(runs: list[Run]) -> float | None:
 def next_probe(runs: list[Run], min_gap: float = 0.05) -> float | None:
     """The rate between the highest passing rate (0 if none) and the lowest failing rate
     above it; None when no rate above fails or the two are within `min_gap` (relative)."""
-    points = [(r.load.rate, r.summary["slo_attainment"] >= GOOD_ATTAINMENT) for r in runs if r.load.rate is not None]
+    points = [(r.load.rate, passes(r.summary["slo_attainment"])) for r in runs if r.load.rate is not None]
     lo = max((x for x, ok in points if ok), default=0.0)
     hi = min((x for x, ok in points if not ok and x > lo), default=None)
     if hi is None or (hi - lo) / hi <= min_gap:

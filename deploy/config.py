@@ -138,7 +138,7 @@ class GatewaySettings:
 @dataclass(frozen=True)
 class PlannerConfig:
     """The online planner: moves workers between the pools (their total stays) when the
-    observed load would be served better by another split (see deploy/planner.py)."""
+    observed load would be served better by another split (see deploy/planner/online.py)."""
 
     enabled: bool = False
     profile: str | None = None  # from `pdserve profile`; required when enabled

@@ -43,7 +43,7 @@ from deploy.gateway_link import GatewayLink
 from deploy.hosts import LOG_ROOT, WorkerHost
 from deploy.planner_loop import PlannerLoop
 from deploy.role_change import Moves, RoleChangeFailed, change_role, in_place_moves
-from deploy.simulator import Pools
+from deploy.planner.pools import Pools
 from deploy.slot import HostReport, Slot, SlotState
 from rpc import auth
 from rpc import pdserve_pb2 as pb

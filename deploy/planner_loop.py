@@ -1,5 +1,5 @@
 """The online planner's loop in the controller: every `planner.interval_s`, the gateway's
-counters since the window began -> a decision from deploy/planner.py -> the scale move it
+counters since the window began -> a decision from deploy/planner/online.py -> the scale move it
 asks for. Windows never span a change; a cool-down follows each move.
 
 It knows the controller only through the callables it is given (no import of
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from deploy import metrics
 from deploy.config import PlannerConfig
-from deploy.planner import Planner, scrape
-from deploy.profile import Profile
-from deploy.simulator import Pools
+from deploy.planner.online import Planner, scrape
+from deploy.planner.pools import Pools
+from deploy.planner.profile import Profile
 
 log = logging.getLogger(__name__)
 

@@ -91,7 +91,7 @@ def load_config(args: argparse.Namespace) -> DeployConfig:
     config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
                                    decode_replicas=args.decode, host=args.host, port=args.port)
     if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
-        from deploy.profile import Profile
+        from deploy.planner.profile import Profile
 
         try:
             Profile.load(config.planner.profile)

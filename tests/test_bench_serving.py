@@ -12,11 +12,11 @@ import statistics
 import httpx
 import pytest
 
-from bench import serving
+from bench import serving, serving_cli
 from bench.serving import (SLO, Load, Plan, RequestRecord, Run, Status, Target, goodput, next_probe, percentile,
                            summarize)
-from deploy.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
-                            sample_workload, sharegpt_requests)
+from deploy.planner.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
+                                     sample_workload, sharegpt_requests)
 from tests.gateway_procs import gateway
 from tests.worker_procs import start_workers, wait_idle
 
@@ -175,14 +175,14 @@ def test_sweep_with_goodput_search_is_bounded(monkeypatch):
 
 
 def test_cli_checks_its_arguments():
-    args = serving.parse(["--sweep", "0.5,1", "--workload", "fixed", "--input-len", "16"])
+    args = serving_cli.parse(["--sweep", "0.5,1", "--workload", "fixed", "--input-len", "16"])
     assert [lo.rate for lo in args.loads] == [0.5, 1.0] and args.num_requests == 100
     assert serving.plan_of(args).params == {"input_len": 16}
-    assert [lo.concurrency for lo in serving.parse(["--concurrency", "1", "4"]).loads] == [1, 4]
+    assert [lo.concurrency for lo in serving_cli.parse(["--concurrency", "1", "4"]).loads] == [1, 4]
     for bad in (["--input-len", "16"], ["--rate", "0"], ["--sweep", "1,inf"], ["--compare"],
                 ["--rate", "1", "--concurrency", "2"], ["--num-requests", "0"]):
         with pytest.raises(SystemExit):
-            serving.parse(bad)
+            serving_cli.parse(bad)
 
 
 def test_json_and_table_of_a_run(tmp_path):
@@ -253,9 +253,9 @@ def test_bench_against_a_real_gateway(smollm2_dir, tmp_path):
     try:
         with gateway(smollm2_dir, [decode.address], [], tmp_path / "gateway.log") as url:
             out = tmp_path / "bench.json"
-            code = serving.main(["--url", url, "--model", "smollm2", "--workload", "fixed", "--input-len", "32",
-                                 "--output-len", "8", "--rate", "4", "--num-requests", "6", "--pause", "0",
-                                 "--slo-ttft", "5", "--slo-tpot", "1", "--json", str(out)])
+            code = serving_cli.main(["--url", url, "--model", "smollm2", "--workload", "fixed", "--input-len", "32",
+                                     "--output-len", "8", "--rate", "4", "--num-requests", "6", "--pause", "0",
+                                     "--slo-ttft", "5", "--slo-tpot", "1", "--json", str(out)])
         assert code == 0
         result = json.loads(out.read_text())
         assert result["config"]["workload"] == "fixed" and len(result["runs"]) == 1

@@ -33,7 +33,7 @@ def _pool_sizes(address: str) -> tuple[int, int]:
 def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, tmp_path):
     """1 prefill + 2 decode workers under prompt-heavy load: the planner moves a worker to
     prefill; then under output-heavy load it moves one back to decode. No request fails."""
-    from deploy.profile import measure
+    from deploy.planner.profile import measure
 
     # decode batches up to the 24 clients of the second phase: a fit over batches 1 and 4 alone
     # can come out flat in batch on a noisy host (then no split looks better for decoding)

@@ -12,12 +12,12 @@ import sys
 
 import pytest
 
-from deploy.planner import Counters, Planner, parse_metrics, sample_lengths
-from deploy.profile import Profile, measure
-from deploy.sim_worker import StepShape
-from deploy.simulator import Pools, goodput, poisson_requests, simulate, summarize
-from deploy.step_cost import NAMES, StepCost, nnls, price
-from deploy.tune import goodput_of, p90_error_interval, splits, tune, validate
+from deploy.planner.online import Counters, Planner, parse_metrics, sample_lengths
+from deploy.planner.profile import Profile, measure
+from deploy.planner.sim_worker import StepShape
+from deploy.planner.simulator import Pools, goodput, poisson_requests, simulate, summarize
+from deploy.planner.step_cost import NAMES, StepCost, nnls, price
+from deploy.planner.tune import goodput_of, p90_error_interval, splits, tune, validate
 from tests.tiny_models import write_tiny_checkpoint
 from tests.worker_procs import REPO
 
@@ -313,7 +313,7 @@ def test_the_planner_replays_the_observed_lengths_scaled_to_their_means():
 
 
 def test_corrections_come_from_the_workers_step_times_never_from_ttft():
-    from deploy.sim_worker import StepShape
+    from deploy.planner.sim_worker import StepShape
 
     p = _profile()
     exact, seconds = _window(0.5, 400, 50, Pools(1, 1), p)
@@ -327,7 +327,7 @@ def test_corrections_come_from_the_workers_step_times_never_from_ttft():
 def test_calibration_recovers_the_serving_overheads_of_a_run():
     serving = _profile(ttft_overhead_s=0.2, step_overhead_s=0.03)  # what the "measured" run had
     bench = {"runs": [_bench_run(0.2, simulate(serving, Pools(1, 1), poisson_requests([(300, 40)] * 40, 0.2, seed=3)))]}
-    from deploy.tune import calibrate
+    from deploy.planner.tune import calibrate
 
     fitted = calibrate(_profile(), Pools(1, 1), bench, 2.0, 0.2)
     assert fitted.step_overhead_s == pytest.approx(0.03, rel=0.05)
@@ -341,7 +341,7 @@ def test_calibration_separates_a_per_sequence_overhead_across_rates():
     runs = []
     for rate in (0.2, 3.0):
         runs.append(_bench_run(rate, simulate(serving, Pools(0, 1), poisson_requests([(100, 120)] * 80, rate, seed=4))))
-    from deploy.tune import calibrate
+    from deploy.planner.tune import calibrate
 
     fitted = calibrate(_profile(), Pools(0, 1), {"runs": runs}, 100.0, 10.0)  # both runs within the SLOs
     assert fitted.token_overhead_s == pytest.approx(0.004, rel=0.25)

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 
 from deploy.drain import DrainEnd, drain, holdings_of
-from deploy.trace import timelines
+from deploy.observe.trace import timelines
 from rpc import pdserve_pb2 as pb
 from tests.gateway_procs import admin_gateway, data_lines, gateway, metric_value
 from tests.worker_procs import start_workers, wait_idle

@@ -1,7 +1,7 @@
 """The planner's simulator makes the engine's own scheduling decisions: a real engine (a
 tiny random-weight model, a KV pool small enough to preempt) runs requests that arrive
 between steps, one of them prefilled remotely (its KV handed in by hand), and every step's
-decisions are logged as JSON lines; the log's inputs replayed through deploy/sim_worker.py
+decisions are logged as JSON lines; the log's inputs replayed through deploy/planner/sim_worker.py
 give the same decisions, step for step: which chunks of which requests, which requests
 preempted, which blocks reserved for remote KV."""
 
@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from deploy.profile import Profile
-from deploy.sim_worker import SIM_TOKEN, SimWorker, StepShape
-from deploy.simulator import Pools, simulate
+from deploy.planner.profile import Profile
+from deploy.planner.sim_worker import SIM_TOKEN, SimWorker, StepShape
+from deploy.planner.simulator import Pools, simulate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import VOCAB, write_tiny_checkpoint

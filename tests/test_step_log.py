@@ -1,5 +1,5 @@
 """A worker's step log (PDSERVE_STEP_LOG, worker/step_log.py) and the fit of a deployment's
-step costs from it (deploy/step_fit.py): a real engine loop on a tiny model logs each step's
+step costs from it (deploy/planner/step_fit.py): a real engine loop on a tiny model logs each step's
 shape as the scheduler made it, and the fit recovers known contention (from the streamed
 tokens and from the other workers' steps), loop terms and noise; the simulator shares the
 cores and draws the noise as fitted."""
@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from deploy.profile import Profile
-from deploy.sim_worker import StepShape
-from deploy.simulator import Pools, simulate
-from deploy.step_cost import KNOTS, price
-from deploy.step_fit import (LEVEL_WINDOW_S, SATURATED_ROWS, LoggedStep, LoopTerms, OthersBusy, TokenRate, fit,
-                             fit_noise, iterations, levels, read_steps)
-from deploy.tune import validate
+from deploy.planner.profile import Profile
+from deploy.planner.sim_worker import StepShape
+from deploy.planner.simulator import Pools, simulate
+from deploy.planner.step_cost import KNOTS, price
+from deploy.planner.step_fit import (LEVEL_WINDOW_S, SATURATED_ROWS, LoggedStep, LoopTerms, OthersBusy, TokenRate,
+                                     fit, fit_noise, iterations, levels, read_steps)
+from deploy.planner.tune import validate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from tests.tiny_models import write_tiny_checkpoint

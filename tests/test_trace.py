@@ -12,7 +12,7 @@ import uuid
 
 import httpx
 
-from deploy.trace import TraceEvent, Timeline, log_files, timelines
+from deploy.observe.trace import TraceEvent, Timeline, log_files, timelines
 from tests.gateway_procs import REPO
 
 GATEWAY = ["arrived", "admitted", "sent", "first_token", "finished"]

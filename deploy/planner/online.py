@@ -27,8 +27,10 @@ import statistics
 import urllib.request
 from dataclasses import dataclass, field
 
-from deploy.profile import Profile
-from deploy.simulator import Pools, percentile, poisson_requests, simulate, summarize
+from deploy.planner.pools import Pools, splits
+from deploy.planner.profile import Profile
+from deploy.planner.simulator import poisson_requests, simulate, summarize
+from deploy.planner.slo import percentile
 
 CLAMP = (0.5, 4.0)
 MARGIN = 0.1  # a better split must cut the headroom ratio by 10% (or raise attainment by 5 points)
@@ -145,18 +147,16 @@ class Planner:
         arrivals = poisson_requests(lengths, rate, self.seed)
         f_prefill, f_decode, basis = self._corrections(window, current, arrivals, prompt, output)
         corrected = _scaled(self.profile, f_prefill, f_decode)
-        total = current.prefill + current.decode
         scores = {}
-        for p in range(1, total):
-            pools = Pools(p, total - p)
+        for pools in splits(current.workers, aggregated=False):
             s = summarize(simulate(corrected, pools, arrivals), self.slo_ttft, self.slo_tpot)
             scores[pools] = (s["attainment"], max(s["ttft_p90"] / self.slo_ttft, s["tpot_p90"] / self.slo_tpot),
                              s["ttft_p90"], s["tpot_p90"])
         best = max(scores, key=lambda k: (scores[k][0], -scores[k][1]))
         ps, os_ = [p for p, _ in lengths], [o for _, o in lengths]
-        load = (f"{rate:.2f} req/s, prompt tokens mean {prompt:.0f} / p50 {percentile(ps, 50)} / p90 "
-                f"{percentile(ps, 90)}, output tokens mean {output:.0f} / p50 {percentile(os_, 50)} / p90 "
-                f"{percentile(os_, 90)}; corrections prefill x{f_prefill:.2f}, decode x{f_decode:.2f} ({basis}); "
+        load = (f"{rate:.2f} req/s, prompt tokens mean {prompt:.0f} / p50 {percentile(ps, 50):.0f} / p90 "
+                f"{percentile(ps, 90):.0f}, output tokens mean {output:.0f} / p50 {percentile(os_, 50):.0f} / p90 "
+                f"{percentile(os_, 90):.0f}; corrections prefill x{f_prefill:.2f}, decode x{f_decode:.2f} ({basis}); "
                 f"predicted p90 TTFT / TPOT: " + ", ".join(f"{k} {v[2]:.2f}s / {v[3]:.3f}s" for k, v in scores.items()))
         if current not in scores or not _clearly_better(scores[best], scores[current]):
             return Decision(current, best, f"{load}: {current} stays")
@@ -172,7 +172,7 @@ class Planner:
         """(prefill factor, decode factor, what they came from): the workers' step times
         against the profile's price of the same steps where the scrape has them, else the
         observed mean TTFT and TPOT against a simulation of the current split."""
-        from deploy.sim_worker import StepShape
+        from deploy.planner.sim_worker import StepShape
 
         decode, prefill = window.steps.get("decode"), window.steps.get("prefill")
         if decode and decode[1] > 0:

@@ -2,7 +2,7 @@
 
 It runs the system's own control code on a virtual clock, and prices each step instead of
 running it:
-- every worker is a `SimWorker` (deploy/sim_worker.py): pdserve's own `Scheduler` and
+- every worker is a `SimWorker` (deploy/planner/sim_worker.py): pdserve's own `Scheduler` and
   `KVCacheManager`, so chunking, chunk caps and top-ups, admission under the KV budget,
   preemption and remote-prefill reservations are the engine's decisions, not a model of
   them; each step costs `Profile.step_s` of its shape;
@@ -10,7 +10,7 @@ running it:
   landed) are applied at the top of an iteration, then one step is scheduled and runs; what
   arrives during a step waits for the next iteration;
 - workers share the machine: a step runs slower while other workers are in steps too, by
-  the profile's `per_busy` term (deploy/step_fit.py), its pace changing each time one of
+  the profile's `per_busy` term (deploy/planner/step_fit.py), its pace changing each time one of
   them starts or ends a step; and each worker's steps stray from their price together for
   a while (a slow stretch of the host), by a noise process fitted on the deployment's step
   logs (`noise_sd`, `noise_s`), drawn from a seeded generator;
@@ -42,21 +42,13 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from deploy.profile import Profile
-from deploy.step_fit import TOKEN_WINDOW_S
+from deploy.planner.pools import Pools
+from deploy.planner.profile import Profile
+from deploy.planner.slo import QUANTILES, SLO, attainment, passes, percentile
+from deploy.planner.step_fit import TOKEN_WINDOW_S
 
-TARGET_ATTAINMENT = 0.9
 LAST_PUSH_WAIT_S = 0.005  # prefill/worker.py's _LAST_PUSH_WAIT_S: a finishing step's wait for its pushes
 _MAX_MODEL_LEN = 1 << 30  # the profile's KV capacity bounds a request, not a context limit
-
-
-@dataclass(frozen=True)
-class Pools:
-    prefill: int  # 0: aggregated, every worker prefills and decodes
-    decode: int
-
-    def __str__(self) -> str:
-        return f"aggregated x{self.decode}" if self.prefill == 0 else f"{self.prefill}P + {self.decode}D"
 
 
 class _Noise:
@@ -120,7 +112,7 @@ class _Sim:
         from engine.config import SchedulerConfig
         from gateway.router import Router
 
-        from deploy.sim_worker import SIM_TOKEN, SimWorker, StepShape, sim_prompt
+        from deploy.planner.sim_worker import SIM_TOKEN, SimWorker, StepShape, sim_prompt
 
         self.token, self.shape_of, self.new_prompt = SIM_TOKEN, StepShape.of, sim_prompt
         self.p = profile
@@ -315,24 +307,24 @@ def simulate(profile: Profile, pools: Pools, requests: list[tuple[float, int, in
     return reqs
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def summarize(reqs: list[SimRequest], slo_ttft: float, slo_tpot: float) -> dict:
+    """Percentiles (deploy/planner/slo.py's; nan where there is nothing to take one of), means
+    and SLO attainment of simulated requests."""
     ttft = [r.ttft for r in reqs]
     tpot = [r.tpot for r in reqs if r.output > 1]
     itl = [b - a for r in reqs for a, b in zip([r.first_token, *r.token_times], r.token_times)]
-    good = sum(1 for r in reqs if r.ttft <= slo_ttft and r.tpot <= slo_tpot)
-    return {"requests": len(reqs), "attainment": good / len(reqs) if reqs else math.nan,
-            **{f"ttft_p{q}": percentile(ttft, q) for q in (50, 90, 99)},
-            **{f"tpot_p{q}": percentile(tpot, q) for q in (50, 90, 99)},
-            **{f"itl_p{q}": percentile(itl, q) for q in (50, 90, 99)},
+    slo = SLO(slo_ttft, slo_tpot)
+    good = sum(slo.met(r.ttft, r.tpot if r.output > 1 else None) for r in reqs)
+    return {"requests": len(reqs), "attainment": attainment(good, len(reqs)),
+            **{f"ttft_p{q}": _nan_if_none(percentile(ttft, q)) for q in QUANTILES},
+            **{f"tpot_p{q}": _nan_if_none(percentile(tpot, q)) for q in QUANTILES},
+            **{f"itl_p{q}": _nan_if_none(percentile(itl, q)) for q in QUANTILES},
             "mean_ttft": statistics.fmean(ttft) if ttft else math.nan,
             "mean_tpot": statistics.fmean(tpot) if tpot else math.nan}
+
+
+def _nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
 
 
 def poisson_requests(lengths: list[tuple[int, int]], rate: float, seed: int = 0) -> list[tuple[float, int, int]]:
@@ -369,7 +361,7 @@ def goodput(profile: Profile, pools: Pools, lengths: list[tuple[int, int]], slo_
     lo, lo_summary, hi = 0.0, None, start_rate
     while True:  # double until the SLOs fail
         s = at(hi)
-        if s["attainment"] < TARGET_ATTAINMENT:
+        if not passes(s["attainment"]):
             break
         lo, lo_summary, hi = hi, s, hi * 2
         if hi > 1e4:
@@ -377,7 +369,7 @@ def goodput(profile: Profile, pools: Pools, lengths: list[tuple[int, int]], slo_
     for _ in range(iterations):  # then bisect
         mid = (lo + hi) / 2
         s = at(mid)
-        if s["attainment"] >= TARGET_ATTAINMENT:
+        if passes(s["attainment"]):
             lo, lo_summary = mid, s
         else:
             hi = mid

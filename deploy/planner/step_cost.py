@@ -27,6 +27,8 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
+from deploy.planner.slo import percentile
+
 # Every batch size up to 16, then sparser: the linears' cost is not smooth in M at decode
 # batch sizes (a CPU GEMM blocks rows by its vector width: on an AVX-512 host batch 8 decodes
 # faster than batch 6 or 7), and decodes spend most of a deployment's time there.
@@ -51,7 +53,7 @@ def _hats(m: float, knots: tuple[int, ...]) -> list[float]:
 
 
 def features(shape, knots: tuple[int, ...] = KNOTS) -> list[float]:
-    """The model's inputs for a StepShape (deploy.sim_worker)."""
+    """The model's inputs for a StepShape (deploy.planner.sim_worker)."""
     chunks = shape.prefill_chunks
     return [*_hats(shape.num_tokens, knots), float(sum(shape.decode_contexts)),
             float(sum(n * (s + n / 2) for s, n in chunks)), float(len(chunks)), float(shape.num_sampled),
@@ -119,8 +121,6 @@ class StepCost:
         train, test = shuffled[:cut], shuffled[cut:]
         model = cls(_fit(train), points=len(points))
         if test:
-            from deploy.simulator import percentile  # (the simulator imports the profile, which imports this)
-
             errors = [abs(model.seconds(s) - t) / t for s, t in test]
             model.held_out_error = statistics.fmean(errors)
             model.held_out_p90_error = percentile(errors, 90)

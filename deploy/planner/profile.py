@@ -29,10 +29,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from deploy.step_cost import StepCost, nnls, price
-from deploy.step_fit import LoopTerms
+from deploy.planner.step_cost import StepCost, nnls, price
+from deploy.planner.step_fit import LoopTerms
 
-# `mixed_*`: the step model's points (deploy/step_cost.py): B prompts of C tokens at once, run
+# `mixed_*`: the step model's points (deploy/planner/step_cost.py): B prompts of C tokens at once, run
 # to a few tokens each (prefill chunks, then decodes), for every pair that fits the KV pool;
 # then B sequences decoding while a long prompt is prefilled beside them in chunks.
 # `decode_sweep`: for each mean context, as many sequences as fit decode together and finish
@@ -40,7 +40,7 @@ from deploy.step_fit import LoopTerms
 # `chunk_tokens`: a prompt's chunk of each size alone, then beside each `mixed_beside` batch of
 # decodes, and as the tail after `chunk_after` cached tokens: the small chunks serving runs
 # (short prompts, a long prompt's last chunk) at the same token counts as decode batches, so
-# the fit can tell a token's cost from a decode sequence's (deploy/step_cost.py).
+# the fit can tell a token's cost from a decode sequence's (deploy/planner/step_cost.py).
 FULL = {"prefill": [16, 64, 128, 256, 512], "long_prompt": 2048, "decode_batch": [1, 8, 32],
         "decode_context": [128, 896], "mixed_batch": [1, 4, 16, 32, 64], "mixed_context": [48, 400, 1200],
         "mixed_beside": [1, 8, 32], "decode_sweep": [160, 640],
@@ -69,13 +69,13 @@ class Profile:
     step_overhead_s: float = 0.0  # what serving adds to each decode step (streaming, contention); calibrated
     token_overhead_s: float = 0.0  # and per sequence in it (each token's message, detokenization, SSE); calibrated
     rpc_s: float = 0.001  # one gRPC message between processes (gateway -> decode, decode <-> prefill)
-    # The step model fitted on mixed steps of the real runner (deploy/step_cost.py: coefficients
+    # The step model fitted on mixed steps of the real runner (deploy/planner/step_cost.py: coefficients
     # in its NAMES order); empty: the two models above price a step.
     step_coef: list[float] = field(default_factory=list)
     step_points: list[list] = field(default_factory=list)  # [decode contexts, [[start, new], ...], sampled, seconds]
     step_error: list[float] = field(default_factory=list)  # held-out mean and p90 relative error of step_coef
     siblings: int = 0  # busy worker processes beside the measurement (`pdserve profile --siblings`)
-    # Deployments' step costs per kind of worker, fitted on their step logs (deploy/step_fit.py):
+    # Deployments' step costs per kind of worker, fitted on their step logs (deploy/planner/step_fit.py):
     # "aggregated" | "prefill" | "decode" -> [scale, fixed_s, per_sampled_s, per_token_rate, per_busy, per_row_s,
     # noise_sd, noise_s]
     # (step_fit.LoopTerms); where a kind has them, they price its iterations, at the deployment's
@@ -91,8 +91,8 @@ class Profile:
         return self.step_overhead_s + self.token_overhead_s * batch + a + b * batch + c * batch * context
 
     def step_s(self, shape, kind: str = "decode", token_rate: float = 0.0) -> float:
-        """One engine step of `shape` (deploy.sim_worker.StepShape) on a worker of `kind`
-        (deploy/step_fit.KINDS) beside idle workers: see step_parts."""
+        """One engine step of `shape` (deploy.planner.sim_worker.StepShape) on a worker of `kind`
+        (deploy/planner/step_fit.KINDS) beside idle workers: see step_parts."""
         engine_s, _, loop_s = self.step_parts(shape, kind, token_rate)
         return engine_s + loop_s
 
@@ -100,7 +100,7 @@ class Profile:
         """A step of `shape` on a worker of `kind` as (engine seconds beside idle workers, the
         engine's extra seconds with the other workers busy throughout, the loop's own seconds).
         With that kind's loop terms, a whole loop iteration as the deployment measured it,
-        while it streams `token_rate` tokens per second (deploy/step_fit.py); else the fitted
+        while it streams `token_rate` tokens per second (deploy/planner/step_fit.py); else the fitted
         step model where the profile has one, else the decode model over its decodes at
         their mean context plus the prefill model per chunk (the step's constant once: with
         the decodes' if there are any, else with the first chunk's), neither shared nor
@@ -126,7 +126,7 @@ class Profile:
 
     def step_noise(self, kind: str) -> tuple[float, float]:
         """(sd, time constant in seconds) of how a `kind` worker's steps stray from their price in a
-        deployment (deploy/step_fit.fit_noise); (0, 0) without that kind's loop terms."""
+        deployment (deploy/planner/step_fit.fit_noise); (0, 0) without that kind's loop terms."""
         terms = self.loop_terms.get(kind)
         if not terms:
             return 0.0, 0.0
@@ -160,7 +160,7 @@ class Profile:
 
 def measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: float = 1.0,
             block_size: int = 16, max_num_batched_tokens: int = 512, say=print, siblings: int = 0) -> Profile:
-    """`siblings`: busy worker processes beside the measurement (deploy/profile_sibling.py),
+    """`siblings`: busy worker processes beside the measurement (deploy/planner/profile_sibling.py),
     as many as a deployment runs beside each worker on the same machine."""
     with busy_siblings(model, dtype, threads, siblings, say):
         profile = _measure(model, dtype, threads, grid, kv_memory_gib, block_size, max_num_batched_tokens, say)
@@ -175,7 +175,7 @@ def busy_siblings(model: str, dtype: str, threads: int, count: int, say) -> Iter
     try:
         for _ in range(count):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "deploy.profile_sibling", "--model", model, "--dtype", dtype, "--threads",
+                [sys.executable, "-m", "deploy.planner.profile_sibling", "--model", model, "--dtype", dtype, "--threads",
                  str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": str(threads)}))
         for proc in procs:
@@ -261,7 +261,7 @@ def _measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: fl
 def measure_steps(engine, profile: Profile, grid: dict, prompt, say) -> None:
     """Every step of mixed workloads through the real engine, timed (schedule and execute,
     as a worker's iteration runs them) with its shape: the step model's points."""
-    from deploy.sim_worker import StepShape
+    from deploy.planner.sim_worker import StepShape
     from engine import SamplingParams
 
     points: list[tuple[StepShape, float]] = []

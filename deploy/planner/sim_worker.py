@@ -1,7 +1,7 @@
 """One simulated worker: pdserve's own `Scheduler` and `KVCacheManager`, stepped on a
 virtual clock, each step priced by the profile instead of run.
 
-The simulator (deploy/simulator.py) never re-implements scheduling: chunk caps, top-ups,
+The simulator (deploy/planner/simulator.py) never re-implements scheduling: chunk caps, top-ups,
 priorities, the KV budget, preemption by recompute and the reservations of remote
 prefills are the engine's own code here. What it replaces is the model: a step's tokens
 are a fixed id (requests run to their output length with `ignore_eos`), and its duration

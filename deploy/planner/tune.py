@@ -21,16 +21,14 @@ import statistics
 import sys
 from pathlib import Path
 
-from deploy.profile import Profile
-from deploy.simulator import TARGET_ATTAINMENT, Pools, goodput, pooled, replay, simulate, summarize
+from deploy.planner.pools import Pools, splits
+from deploy.planner.profile import Profile
+from deploy.planner.simulator import goodput, pooled, replay, simulate, summarize
+from deploy.planner.slo import SLO, TARGET_ATTAINMENT, attainment, passes, percentile
+from deploy.planner.slo import goodput as highest_passing_rate
 
 
 REPLAYS = 5  # simulated replays of a run (seeds of the steps' noise), pooled
-
-
-def splits(workers: int) -> list[Pools]:
-    """Aggregated, then every disaggregated split (at least one worker in each pool)."""
-    return [Pools(0, workers)] + [Pools(p, workers - p) for p in range(1, workers)]
 
 
 def tune(profile: Profile, lengths: list[tuple[int, int]], slo_ttft: float, slo_tpot: float,
@@ -46,11 +44,11 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
     """Per measured run: measured vs simulated p90 TTFT / TPOT and attainment, same requests,
     with a 95% bootstrap interval on each p90's relative error (the requests resampled, each
     drawn set compared measured against simulated: how far the error can be trusted). Where
-    the profile's steps are noisy (deploy/step_fit.fit_noise) the run is simulated `replays`
+    the profile's steps are noisy (deploy/planner/step_fit.fit_noise) the run is simulated `replays`
     times, one noise seed each, and the simulated figures pool them: one replay's p90 near
     capacity moves by tens of percent from seed to seed, as a measured run's would.
 
-    With `level_steps` (the validated deployment's step log, deploy/step_fit.read_steps) each
+    With `level_steps` (the validated deployment's step log, deploy/planner/step_fit.read_steps) each
     run is simulated at the host's level while it ran (step_fit.levels over its span): the
     one number per kind of worker that the online planner corrects from the workers' step
     times too. Every other term stays as the profile has it."""
@@ -85,7 +83,7 @@ def validate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_t
 
 def _at_level(profile: Profile, run: dict, steps: list) -> tuple[Profile, dict[str, float]]:
     """The profile with each kind's scale measured on the steps logged during `run`."""
-    from deploy.step_fit import levels
+    from deploy.planner.step_fit import levels
 
     if not profile.loop_terms:
         raise ValueError("a level needs a profile with step terms (fit them with --steps first)")
@@ -138,7 +136,7 @@ def calibrate(profile: Profile, pools: Pools, bench: dict, slo_ttft: float, slo_
     profile = dataclasses.replace(profile, ttft_overhead_s=0.0, step_overhead_s=0.0, token_overhead_s=0.0)
     if profile.loop_terms:  # the steps' costs come from the deployment's step logs: only the path's latency here
         return _calibrate_ttft(profile, pools, runs[0], slo_ttft, slo_tpot)
-    served = [r for r in runs[1:] if _attainment(r, slo_ttft, slo_tpot) >= TARGET_ATTAINMENT]
+    served = [r for r in runs[1:] if passes(_attainment(r, slo_ttft, slo_tpot))]
     fitted = [_requests_of(r) for r in [runs[0], *served[-1:]]]
     fitted = [(reqs, tpots) for reqs, tpots, _ in fitted if tpots]
     for _ in range(4 if fitted else 0):
@@ -165,8 +163,8 @@ def _calibrate_ttft(profile: Profile, pools: Pools, run: dict, slo_ttft: float, 
 def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
     """The profile with the loop terms fitted on the step logs of each deployment under
     `roots` (one log folder per deployment: an aggregated one's, a disaggregated one's)."""
-    from deploy.step_fit import describe, fit, read_steps
-    from deploy.trace import log_files
+    from deploy.planner.step_fit import describe, fit, read_steps
+    from deploy.observe.logs import log_files
 
     if not profile.step_coef:
         print("pdserve tune --steps: the profile has no step model (make it with this version's `pdserve profile`)",
@@ -186,9 +184,10 @@ def _fit_steps(profile: Profile, roots: list[Path]) -> Profile | None:
 
 
 def _attainment(run: dict, slo_ttft: float, slo_tpot: float) -> float:
-    good = sum(1 for r in run["requests"] if r.get("status") == "ok" and r["ttft_s"] <= slo_ttft
-               and (r.get("tpot_s") or 0.0) <= slo_tpot)
-    return good / len(run["requests"]) if run["requests"] else 0.0
+    """A measured run's attainment, as `pdserve bench` counts it: over every request sent."""
+    slo = SLO(slo_ttft, slo_tpot)
+    good = sum(r.get("status") == "ok" and slo.met(r["ttft_s"], r.get("tpot_s")) for r in run["requests"])
+    return attainment(good, len(run["requests"]))
 
 
 def _requests_of(run: dict) -> tuple[list[tuple[float, int, int]], list[float], list[dict]]:
@@ -209,15 +208,13 @@ def _decode_batch(reqs) -> float:
 
 
 def goodput_of(rows: list[dict], key: str) -> float:
-    """The highest rate whose attainment (measured or simulated) reaches the target."""
-    passing = [r["rate"] for r in rows if r["rate"] is not None and r[key] >= TARGET_ATTAINMENT]
-    return max(passing, default=0.0)
+    """The highest rate whose attainment (measured or simulated) reaches the target (0: none)."""
+    return highest_passing_rate((r["rate"], r[key]) for r in rows if r["rate"] is not None) or 0.0
 
 
 def _p90(values: list[float]) -> float:
-    from deploy.simulator import percentile
-
-    return percentile(values, 90)
+    p90 = percentile(values, 90)
+    return math.nan if p90 is None else p90
 
 
 def _interval(ci: list[float]) -> str:
@@ -235,7 +232,7 @@ def _err(sim: float, measured: float) -> str:
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tune", help="recommend a prefill/decode split from a profile (simulated goodput)")
     p.add_argument("--profile", required=True, help="from `pdserve profile`")
-    p.add_argument("--workload", default="sharegpt", help="sharegpt | fixed | long-prompt (deploy/workload.py)")
+    p.add_argument("--workload", default="sharegpt", help="sharegpt | fixed | long-prompt (deploy/planner/workload.py)")
     p.add_argument("--input-len", type=int, help="fixed workload: prompt tokens")
     p.add_argument("--output-len", type=int, help="fixed workload: output tokens")
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
@@ -277,7 +274,7 @@ def run_tune(args: argparse.Namespace) -> int:
             profile.save(args.save_profile)
     if args.validate:
         return _run_validate(args, profile)
-    from deploy.workload import sample_workload
+    from deploy.planner.workload import sample_workload
 
     params = {k: v for k, v in (("input_len", args.input_len), ("output_len", args.output_len)) if v is not None}
     lengths = sample_workload(args.workload, args.requests, args.seed, **params)
@@ -317,8 +314,8 @@ def _run_validate(args: argparse.Namespace, profile: Profile) -> int:
             profile.save(args.save_profile)
     level_steps = None
     if args.level:
-        from deploy.step_fit import read_steps
-        from deploy.trace import log_files
+        from deploy.planner.step_fit import read_steps
+        from deploy.observe.logs import log_files
 
         level_steps = list(read_steps(log_files([args.level])))
     try:

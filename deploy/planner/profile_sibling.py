@@ -2,7 +2,7 @@
 of prefills and decodes until it is stopped, so the profiled engine shares the machine's
 cores, caches and memory bandwidth as a deployment's worker shares them with the others.
 
-    python -m deploy.profile_sibling --model smollm2 --dtype bfloat16 --threads 1
+    python -m deploy.planner.profile_sibling --model smollm2 --dtype bfloat16 --threads 1
 
 Prints "ready" once its engine is loaded, then steps until stdin closes (the profile's
 end) or it is signalled.
@@ -19,7 +19,7 @@ PROMPT, OUTPUT = 256, 64  # each finished request is replaced: prefill chunks ke
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.profile_sibling", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m deploy.planner.profile_sibling", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)

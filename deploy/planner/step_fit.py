@@ -1,6 +1,6 @@
 """What a deployment's steps really cost, from its workers' step logs (worker/step_log.py).
 
-The profile prices an engine step as measured alone (deploy/step_cost.py). In a deployment
+The profile prices an engine step as measured alone (deploy/planner/step_cost.py). In a deployment
 the same step runs beside the other worker processes, the gateway, the client and Ray on
 the same cores, and each loop iteration does more than the step: it applies commands, polls
 transfers, schedules, streams every sampled token to the gateway (a decode worker) or posts
@@ -57,7 +57,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.step_cost import nnls, price
+from deploy.planner.step_cost import nnls, price
 
 _MARK = " pdserve.step: "
 # The kinds of worker terms are fitted for: an aggregated deployment's workers (they log as
@@ -73,7 +73,7 @@ LEVEL_WINDOW_S = 60.0  # the contention terms are fitted with one level of the h
 class LoggedStep:
     t: float  # wall-clock start of the iteration
     process: str  # "decode d0", "prefill p0-..."
-    shape: object  # deploy.sim_worker.StepShape
+    shape: object  # deploy.planner.sim_worker.StepShape
     engine_s: float
     busy_s: float  # schedule + execute + output handling
     gap_s: float | None  # the loop's work before this step since the last one (None: it was idle)
@@ -120,8 +120,8 @@ class LoopTerms:
 
 def read_steps(paths: Iterable[Path]) -> Iterator[LoggedStep]:
     """Every step line in `paths`, in file order (lines cut by rotation are skipped)."""
-    from deploy.sim_worker import StepShape  # the engine's scheduler, and torch: not for the simulator's import
-    from deploy.trace import json_lines
+    from deploy.planner.sim_worker import StepShape  # the engine's scheduler, and torch: not for the simulator's import
+    from deploy.observe.logs import json_lines
 
     for r in json_lines(paths, _MARK):
         try:
@@ -232,7 +232,7 @@ def fit_noise(runs: list[list[tuple[float, float, float]]]) -> tuple[float, floa
 
 def fit(coef: list[float], steps: list[LoggedStep]) -> dict[str, LoopTerms]:
     """The terms of each kind of worker in one deployment's steps, against the profile's step
-    model `coef` (deploy/step_cost.NAMES order): "prefill" and "decode" if it has prefill
+    model `coef` (deploy/planner/step_cost.NAMES order): "prefill" and "decode" if it has prefill
     workers, else "aggregated"."""
     rate, busy = TokenRate(steps), OthersBusy(steps)
     disaggregated = any(s.role == "prefill" for s in steps)

@@ -15,7 +15,6 @@ events of one host order exactly, those of several hosts as well as their clocks
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from engine import envs
 from engine.trace import LOGGER_NAME
+from deploy.observe.logs import json_lines, log_files
 
 _MARK = f" {LOGGER_NAME}: "
 
@@ -101,38 +101,6 @@ def _fmt(key: str, v: object) -> str:
     if key.endswith("_s") and isinstance(v, (int, float)):  # seconds, shown as milliseconds
         return f"{v * 1e3:.1f}ms"
     return str(v)
-
-
-def log_files(roots: Iterable[Path | str]) -> list[Path]:
-    """Every log (and rotated backup) under `roots`, oldest first."""
-    files = set()
-    for root in map(Path, roots):
-        if root.is_file():
-            files.add(root)
-        elif root.is_dir():
-            files.update(p for p in root.rglob("*.log*") if p.is_file())
-    return sorted(files, key=lambda p: p.stat().st_mtime)
-
-
-def json_lines(paths: Iterable[Path], mark: str, needles: Iterable[str] = ()) -> Iterator[dict]:
-    """The JSON objects logged after `mark` (" <logger name>: ") in `paths`, in file order;
-    only lines holding one of `needles`, when given (a fast filter). Lines cut by rotation,
-    or not JSON, are skipped."""
-    needles = tuple(needles)
-    for path in paths:
-        try:
-            f = path.open(errors="replace")
-        except OSError:
-            continue
-        with f:
-            for line in f:
-                i = line.find(mark)
-                if i < 0 or (needles and not any(n in line for n in needles)):
-                    continue
-                try:
-                    yield json.loads(line[i + len(mark):])
-                except ValueError:
-                    continue
 
 
 def read_events(paths: Iterable[Path], needles: Iterable[str] = ()) -> Iterator[TraceEvent]:
