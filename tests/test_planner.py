@@ -228,6 +228,29 @@ def test_validation_of_a_run_the_simulator_itself_produced_has_no_error():
     assert goodput_of(rows, "measured_attainment") == goodput_of(rows, "sim_attainment")
 
 
+def test_a_p90_is_one_statistic_in_the_benchmark_the_simulator_and_tune():
+    """`pdserve bench`'s percentiles of a run, the simulator's of the same requests and `pdserve
+    tune --validate`'s measured p90 are the same numbers, and so is attainment: one definition
+    of each (deploy/planner/slo.py), so a simulated p90 and a measured one compare."""
+    from bench.serving_metrics import SLO, RequestRecord, Status
+    from bench.serving_metrics import summarize as bench_summary
+
+    p = _profile()
+    reqs = simulate(p, Pools(1, 1), poisson_requests([(300, 40), (40, 8)] * 12, 2.0, seed=3))
+    assert len({r.ttft for r in reqs}) == len(reqs)  # distinct: a rank rule and an interpolation would differ
+    records = [RequestRecord(r.prompt, r.output, r.arrival, r.ttft, r.tpot, e2e_s=r.finish - r.arrival, status=Status.OK)
+               for r in reqs]
+    measured = bench_summary(records, 10.0, SLO(0.5, 0.05))
+    sim = summarize(reqs, 0.5, 0.05)
+    (row,) = validate(p, Pools(1, 1), {"runs": [_bench_run(2.0, reqs)]}, slo_ttft=0.5, slo_tpot=0.05)
+    for q in (50, 90, 99):
+        assert sim[f"ttft_p{q}"] == pytest.approx(measured["ttft_s"][f"p{q}"])
+        assert sim[f"tpot_p{q}"] == pytest.approx(measured["tpot_s"][f"p{q}"])
+    assert row["measured_ttft_p90"] == pytest.approx(measured["ttft_s"]["p90"])
+    assert row["measured_tpot_p90"] == pytest.approx(measured["tpot_s"]["p90"])
+    assert 0 < sim["attainment"] < 1 and sim["attainment"] == measured["slo_attainment"] == row["measured_attainment"]
+
+
 def test_p90_error_interval_brackets_the_error_and_widens_with_noise():
     rng = random.Random(1)
     measured = [rng.expovariate(1.0) for _ in range(400)]
