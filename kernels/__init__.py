@@ -1,10 +1,10 @@
 """Compute kernels behind one dispatch point.
 
 `get_ops(device)` returns the op set the model, attention and sampler call: on CPU
-`kernels.native_ops` (the torch ops of `kernels.reference`, with decode and prefill
+`kernels.native_ops.OPS` (the torch ops of `kernels.reference`, with decode and prefill
 attention and the row-wise ops by native kernels built for this host's ISA: faster at every shape measured,
-bench/RESULTS.md), or `kernels.reference` itself where no compiler can build them (logged);
-on CUDA the Triton kernels in `kernels.triton_ops` (one module per concept beside them:
+bench/RESULTS.md), or `kernels.reference.OPS` where no compiler can build them (logged);
+on CUDA the Triton kernels of `kernels.triton_ops.OPS` (one module per concept beside them:
 paged_attention, kv_copy, norm_rope, sampling). `kernels.reference` is also every
 kernel's oracle. PDSERVE_KERNELS, read here and nowhere else (with PDSERVE_CACHE_DIR,
 where the native library is cached), overrides the choice: `torch` takes the references
