@@ -43,7 +43,7 @@ PER_IP_CAP = 256  # the gateway's default --max-connections-per-ip: a quarter of
 PAST_THE_CAP = 16  # slow bodies past it
 VICTIM_TOKENS = 32  # each victim stream's output
 VICTIM_STREAMS = 2  # victim streams at a time
-UNLOADED_REQUESTS = 3  # per victim stream, before the abuse
+UNLOADED_REQUESTS = 6  # per victim stream, before the abuse (a few seconds: a steadier median)
 LONG_PROMPT = 256  # item 1's prompt: 16 KV blocks
 ITL_BOUND = 2.0  # the victim's ITL during the abuse, over its unloaded one
 
