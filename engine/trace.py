@@ -9,7 +9,7 @@ one JSON object as its message:
 
 `t` is wall-clock seconds (time.time()), comparable across the processes of one host (and
 across hosts as far as their clocks agree); `rid` is the gateway's request id, the one the
-workers know it by. `pdserve trace ID` (deploy/trace.py) joins one request's lines from
+workers know it by. `pdserve trace ID` (deploy/observe/trace.py) joins one request's lines from
 every log into a timeline.
 
 Plain log lines rather than OpenTelemetry spans: the processes already log to files that

@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics (GET /metrics): request counts and latencies, which the
-deploy controller's planner reads (deploy/planner.py), and one gauge series per worker
+deploy controller's planner reads (deploy/planner/online.py), and one gauge series per worker
 from its Stats."""
 
 from __future__ import annotations

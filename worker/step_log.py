@@ -6,11 +6,11 @@ A line is the logger `pdserve.step` at INFO with one JSON object as its message:
      "engine_s":0.031,"busy_s":0.034,"gap_s":0.002}
 
 `decodes` are the context lengths of the step's decodes and `chunks` its prefill chunks
-(start, new tokens), the shape deploy/sim_worker.StepShape prices; `sampled` the rows
+(start, new tokens), the shape deploy/planner/sim_worker.StepShape prices; `sampled` the rows
 through the LM head. `engine_s` is the engine's own time for the step (StepStats.seconds),
 `busy_s` the iteration's schedule + execute + output handling, `gap_s` the time since the
 previous step's iteration ended, when the loop was busy in between (commands, transfers,
-streaming; null after an idle wait). `pdserve tune --steps` (deploy/step_fit.py) reads
+streaming; null after an idle wait). `pdserve tune --steps` (deploy/planner/step_fit.py) reads
 these from a deployment's logs and fits how much slower its steps ran than the profile
 says, per role, and what each loop iteration adds.
 """
