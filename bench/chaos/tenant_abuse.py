@@ -19,7 +19,6 @@ lets a request reach the log-probability bound and whose body deadline is short.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from contextlib import AsyncExitStack
