@@ -33,14 +33,15 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if not context.add_callback(calls.closed):
             calls.closed()
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
-        trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids))
+        trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant)
         try:
             params = params_from_pb(request.params)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
         try:
-            # here, not on the loop: others' steps go on; tenants (cache salts) take turns
-            self.worker.engine.compile_grammar(params, request.cache_salt, context.time_remaining())
+            # here, not on the loop: others' steps go on; tenants take turns (not cache salts: a
+            # client chooses its salt, and would count as many sources)
+            self.worker.engine.compile_grammar(params, request.tenant, context.time_remaining())
         except GrammarError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}")
         except QueueFull as e:

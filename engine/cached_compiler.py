@@ -8,8 +8,8 @@ output's grammars need so that no caller can stall the others.
   core from the engine loop, and never runs on it.
 - **Each key once**: callers asking for a key already queued or compiling wait for that
   compile; its result (or its error) is cached, least recently used dropped.
-- **Sources take turns**: the next compile comes from the next source (a tenant's cache
-  salt) in turn, so a source with many queued keys delays only itself.
+- **Sources take turns**: the next compile comes from the next source (a tenant's name)
+  in turn, so a source with many queued keys delays only itself.
 - **Bounded waiting**: at most `max_waiters` callers wait (counting `others_waiting`: a
   queue elsewhere that the same threads serve), and one source has at most half that many
   distinct keys queued or compiling; past that a caller is refused with Busy at once.

@@ -215,7 +215,7 @@ class LLMEngine:
     def compile_grammar(self, params: SamplingParams, source: str = "", wait_s: float | None = None) -> None:
         """Compile the request's grammar and keep it on `params` (any thread: a worker's RPC
         thread does, so add_request on the loop never compiles). `source`: who asks (the
-        tenant's cache salt): sources take turns, none with more than half of `max_waiting`
+        request's tenant, never its cache salt, which a client chooses): sources take turns, none with more than half of `max_waiting`
         distinct schemas in flight. Callers waiting for a compile count against `max_waiting` with the
         queued requests. GrammarError (a ValueError) names what is wrong with the schema, or
         that it cost more than its budget; QueueFull if too many wait already or `wait_s`

@@ -172,7 +172,8 @@ class RequestPath:
                     prompt_tokens=len(prompt), max_tokens=params.max_tokens, stream=bool(body.stream))
         salt = tenant.cache_salt(body.cache_salt)
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
-                                 prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt)
+                                 prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt,
+                                 tenant=tenant.name)
         started = time.monotonic()
         call = None
         n = body.n  # parallel choices: one prefill, the rest start from the decode worker's prefix cache

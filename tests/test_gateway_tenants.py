@@ -106,6 +106,22 @@ def test_a_tenant_sharing_its_cache_cannot_spell_another_tenants_salt(tenant_gat
         assert cached("key-c", cache_salt=salt) == 0, salt
 
 
+def test_the_workers_know_a_request_by_its_tenant_whatever_salt_its_client_sends(system, tenant_gateway):
+    """What a worker shares between requests (grammar compiles) takes turns by tenant: the
+    decode worker must see the tenant's name, not the cache salt, which a client could vary
+    per request to count as many tenants."""
+    decode = system[2]
+    marks = []
+    for salt in ("one", "two"):
+        r = httpx.post(f"{tenant_gateway}/v1/completions", timeout=60, headers={"authorization": "Bearer key-c"},
+                       json={"model": "smollm2", "prompt": f"Salted {salt}", "max_tokens": 1, "cache_salt": salt})
+        assert r.status_code == 200, r.text
+        marks.append(r.json()["id"])
+    arrived = [json.loads(line[line.index("{"):]) for line in decode.log_path.read_text().splitlines()
+               if '"event":"arrived"' in line and any(m in line for m in marks)]
+    assert len(arrived) == 2 and {a.get("tenant") for a in arrived} == {"c"}, arrived
+
+
 def test_no_client_salt_or_tenant_name_spells_another_tenants_salt():
     from gateway.tenants import Tenant
 
