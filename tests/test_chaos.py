@@ -76,6 +76,8 @@ def test_the_stall_fault_wedges_the_named_worker_only(tmp_path, monkeypatch):
     assert stalled() == {"prefill-0-17", "decode-0-17"}
     stall.write_text("decode-1-1")  # a prefix of a name is not the name
     assert stalled() == set()
+    stall.write_text("decode-1")  # a worker's role and id: any incarnation of it
+    assert stalled() == {"decode-1-17"}
 
 
 def test_overload_is_shed_with_fast_429s_and_no_crash(smollm2_dir, tmp_path):
