@@ -107,7 +107,7 @@ def test_pdserve_kernels_native_selects_the_native_op_set(monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNELS", "native")
     assert kernels.get_ops("cpu") is native_ops.OPS
     # in place: the step's decodes are one group, read up to each context length (no mask)
-    decodes = StepDecodes(torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 8]), [5, 8], [2, 1], 4)
+    decodes = StepDecodes(torch.tensor([[1, 0], [3, 4]]), torch.tensor([3, 8]), [3, 8], [1, 2], 4)
     (group,) = native_ops.OPS.plan_decodes(decodes, "cpu")
     assert (group.start, group.end, group.mask) == (0, 2, None)
     with pytest.raises(ValueError, match="for CPU tensors"):
