@@ -39,7 +39,7 @@ test: $(STAMP)
 # The chaos, deploy, drain, replay and role-change tests on a host made SLOW_FACTOR times slower: every engine step of
 # every worker stretched (PDSERVE_FAULT_SLOW_FACTOR). Slower answers and 429s, never 5xx.
 test-slow: $(STAMP)
-	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/test_chaos.py tests/test_deploy.py tests/test_deploy_planner.py tests/test_deploy_security.py tests/test_drain.py tests/test_replay.py tests/test_role_change.py"
+	PDSERVE_FAULT_SLOW_FACTOR=$(SLOW_FACTOR) $(MAKE) test PYTEST_ARGS="$(PYTEST_ARGS) tests/e2e/test_chaos.py tests/deploy/test_deploy.py tests/planner/test_deploy_planner.py tests/deploy/test_deploy_security.py tests/worker/test_drain.py tests/worker/test_replay.py tests/worker/test_role_change.py"
 
 bench: $(STAMP)
 	$(PY) -m bench.offline

@@ -2,7 +2,7 @@
 
     python -m bench.cuda_engine        # needs a CUDA device; exits 2 without one
 
-For each tiny random-weight checkpoint kind of tests/tiny_models.py (Llama GQA, MHA with
+For each tiny random-weight checkpoint kind of tests/harness/tiny_models.py (Llama GQA, MHA with
 tied embeddings, Llama-3 RoPE scaling, Mistral, Qwen2 with q/k/v biases), float32:
 - greedy tokens of the engine on CUDA (Triton kernels: paged decode and varlen prefill
   attention, KV writes, fused norms, RoPE, the batched sampler) against the argmax of Hugging
@@ -12,7 +12,7 @@ tied embeddings, Llama-3 RoPE scaling, Mistral, Qwen2 with q/k/v biases), float3
 - what the run exercises: chunked prefill (a 200-token prompt in 64-token chunks beside
   decodes), prefix-cache hits (a second round over a shared prefix), no leaked KV block.
 Prints one line per kind and exits 1 on any mismatch. The CPU machine's tests run the same
-comparison in Triton's interpreter (tests/test_engine_triton.py); this is the compiled path.
+comparison in Triton's interpreter (tests/kernels/test_engine_triton.py); this is the compiled path.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> int:
         return 2
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from engine.config import ModelConfig
-    from tests.tiny_models import KINDS, write_tiny_checkpoint
+    from tests.harness.tiny_models import KINDS, write_tiny_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32, both systems
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")

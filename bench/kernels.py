@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.interpret and not torch.cuda.is_available():
         print("bench.kernels: no CUDA device here, so there is nothing to time. The kernels' correctness "
-              "runs on CPU in `pytest tests/test_kernels_triton.py`; `python -m bench.kernels --interpret` "
+              "runs on CPU in `pytest tests/kernels/test_kernels_triton.py`; `python -m bench.kernels --interpret` "
               "smoke-tests this script at toy sizes.", file=sys.stderr)
         return 2
     from kernels import reference as ref

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = sys.modules[__package__].__doc__  # the package's: its first paragraph says what this is
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=doc.split("\n\n")[0])
     ap.add_argument("--only", help=f"comma-separated scenarios, of: {', '.join(SCENARIOS)}")
-    ap.add_argument("--quick", action="store_true", help="the small sizes tests/test_chaos.py uses")
+    ap.add_argument("--quick", action="store_true", help="the small sizes tests/e2e/test_chaos.py uses")
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-factor", type=float, default=None,

@@ -15,7 +15,7 @@ RECOVERY_TIMEOUT_S = 240.0
 
 @dataclass(frozen=True)
 class Sizes:
-    """How big each scenario is: the full run, and --quick (tests/test_chaos.py)."""
+    """How big each scenario is: the full run, and --quick (tests/e2e/test_chaos.py)."""
 
     storm: int  # requests in the cancellation storm, 30% of them left by their client
     storm_concurrency: int
