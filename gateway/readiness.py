@@ -25,15 +25,21 @@ class Readiness:
         self.gauges = WorkerGauges()
         self.checked_at, self.ok = -math.inf, False  # never checked: stale
         self._in_flight: dict[str, asyncio.Task] = {}
+        self._members = 0  # bumped by each membership change: a round answers for the members it checked
 
     def stale(self) -> None:
-        """The membership changed: the next /ready checks the new members."""
+        """The membership changed: the next /ready checks the new members. A round still
+        running over the old ones is no longer shared, and its verdict is dropped."""
         self.checked_at = -math.inf
+        self._members += 1
+        self._in_flight.pop("health", None)
 
     async def ready(self) -> bool:
         """Ready: some decode worker (and, with a prefill pool, some prefill worker) passes
         deep health, as of at most one interval ago."""
-        if time.monotonic() - self.checked_at > self.interval_s:
+        for _ in range(2):  # a second round only if the members changed during the first
+            if time.monotonic() - self.checked_at <= self.interval_s:
+                break
             await self.shared("health", self._refresh)
         return self.ok
 
@@ -62,7 +68,7 @@ class Readiness:
         return await asyncio.shield(task)
 
     async def _refresh(self) -> bool:
-        router, backend = self.router, self.backend
+        router, backend, members = self.router, self.backend, self._members
         decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
         decode_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
         prefill_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
@@ -73,9 +79,10 @@ class Readiness:
             w.healthy = h.ok
             if h.longest_step_s > 0:
                 w.longest_step_s = h.longest_step_s
-        self.ok = any(h.ok for h in decode_h) and (not prefill or any(h.ok for h in prefill_h))
-        self.checked_at = time.monotonic()
-        return self.ok
+        ok = any(h.ok for h in decode_h) and (not prefill or any(h.ok for h in prefill_h))
+        if members == self._members:  # else it checked workers the gateway no longer has
+            self.ok, self.checked_at = ok, time.monotonic()
+        return ok
 
     async def _stats_round(self) -> tuple[float, dict[str, pb.StatsResponse | None]]:
         """Every worker's Stats, and when they were asked for (what they can have seen)."""
