@@ -350,10 +350,6 @@ class RemotePrefills:
     def _poll(self, state: RemotePrefillState) -> None:
         if state.phase is Phase.ABORTING:
             now = time.monotonic()
-            if self._gone(state.worker):
-                state.abort_rpc = None
-                self._next_attempt(state)
-                return
             if state.abort_rpc is not None and state.abort_rpc.done():
                 self._after_abort(state)
             elif state.abort_rpc is None and now >= state.retry_at:
@@ -403,10 +399,7 @@ class RemotePrefills:
             return
         state.abort_rpc = self._ask_abort(state.worker, state.request_id)
 
-    def _ask_abort(self, worker: str, request_id: str) -> grpc.Future | None:
-        """None when the worker is known gone: there is nothing to ask."""
-        if self._gone(worker):
-            return None
+    def _ask_abort(self, worker: str, request_id: str) -> grpc.Future:
         return self._stub(worker).Abort.future(pb.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
 
     def _abort_answered(self, rpc: grpc.Future, request_id: str, worker: str) -> bool:
@@ -440,9 +433,6 @@ class RemotePrefills:
         self._events.append(Quarantined(rid, qid, state.cancelled))
 
     def _poll_unconfirmed(self, q: _Unconfirmed) -> None:
-        if self._gone(q.worker):
-            self._release(q, "left the deployment")
-            return
         if q.abort_rpc is None:
             if time.monotonic() >= q.retry_at:
                 q.abort_rpc = self._ask_abort(q.worker, q.request_id)
