@@ -158,7 +158,7 @@ class Controller:
                 self._join(slot)
         except Exception:
             for slot in new:
-                if slot.state is not SlotState.READY or slot in self.starting:
+                if slot in self.starting:  # not ready: in no pool
                     self._remove(slot)
             raise
 
@@ -489,13 +489,11 @@ class Controller:
         (ready or draining) learns the address of every worker not removed or replaced: the
         only ones it asks for prefills, and one that left is known gone (its blocks set aside
         for an unconfirmed abort are free again: decode/remote_prefill.py)."""
-        agents = [agent_name("decode", s.worker_id, s.incarnation) for s in [*self.pools["decode"], *self.draining]
-                  if s.role == "decode" and s.state in (SlotState.READY, SlotState.DRAINING)]
-        workers = sorted(s.address for s in [*self.pools["prefill"], *self.pools["decode"], *self.draining]
-                         if s.address)
-        for slot in [*self.pools["prefill"], *self.pools["decode"], *self.draining]:
-            if slot.state not in (SlotState.READY, SlotState.DRAINING):
-                continue
+        slots = [*self.pools["prefill"], *self.pools["decode"], *self.draining]
+        serving = [s for s in slots if s.state in (SlotState.READY, SlotState.DRAINING)]
+        agents = [agent_name("decode", s.worker_id, s.incarnation) for s in serving if s.role == "decode"]
+        workers = sorted(s.address for s in slots if s.address)
+        for slot in serving:
             peers = agents if slot.role == "prefill" else workers
             if self._peers_sent.get(slot.address) == peers:
                 continue  # it has this list (a restarted worker is a new address)
