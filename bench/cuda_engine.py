@@ -38,9 +38,9 @@ def prompts(vocab: int) -> list[list[int]]:
 def engine_tokens(folder: Path, device: str, kernels: str) -> tuple[dict[str, list[int]], float]:
     """Two rounds: the first prompt alone (fills the prefix cache), then all at once."""
     os.environ["PDSERVE_KERNELS"] = kernels
+    from common.sampling_params import SamplingParams
     from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
 
     cfg = ModelConfig.from_pretrained(folder)
     engine = LLMEngine(EngineConfig(cfg, folder, torch.float32, CacheConfig(block_size=16, num_blocks=96),

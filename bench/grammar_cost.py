@@ -23,11 +23,12 @@ import time
 import torch
 
 from bench.cpu_attention import median_seconds
+from common.grammar_spec import Grammar
+from common.model_source import resolve_model
+from common.sampling_params import SamplingParams
 from engine.config import ModelConfig
-from engine.grammar import Grammar, Grammars, allowed_next
+from engine.grammar import Grammars, allowed_next
 from engine.llm import LLM
-from engine.model_source import resolve_model
-from engine.sampling_params import SamplingParams
 from kernels.host import cpu
 
 SCHEMAS = {

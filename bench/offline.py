@@ -31,10 +31,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from bench.roofline import DecodeResult, MachineRates, measure_decode
+from common.model_source import resolve_model
 from deploy.planner.workload import Request, sharegpt_requests
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, resolve_dtype
-from engine.model_source import resolve_model
 from kernels.dtype_choice import auto_dtype
 from kernels.host import cpu
 

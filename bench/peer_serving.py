@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     python = ensure_venv(args.venv or default_venv())
     if args.setup_only:
         return 0
-    from engine.model_source import resolve_model
-    from engine.tokenizer import Tokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer import Tokenizer
 
     folder = Path(resolve_model(args.model))
     tokenizer = Tokenizer.from_pretrained(folder)

@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 
 from bench.roofline import MachineRates, decode_roofline
+from common import envs
+from common.model_source import resolve_model
+from common.tokenizer import Tokenizer
 from deploy.planner.workload import fixed_requests, sharegpt_requests
-from engine import envs
 from engine.config import ModelConfig, resolve_dtype
-from engine.model_source import resolve_model
-from engine.tokenizer import Tokenizer
 from kernels.host import cpu
 
 VLLM_VERSION = "0.32.0"

@@ -30,9 +30,9 @@ def measure(variant: str, batches: list[int], steps: int) -> dict[int, float]:
     import torch
 
     from bench.cpu_attention import median_seconds
+    from common.sampling_params import SamplingParams
     from engine.host_memory import keep_freed_memory
     from engine.sampler import Sampler, SamplingMetadata, process_logits, sampling_probs
-    from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     if variant.endswith("kept"):

@@ -45,9 +45,22 @@ import time
 from dataclasses import dataclass
 
 from bench import host_steal
+
 # percentile, distribution and QUANTILES too: other modules import them from here
-from bench.serving_metrics import (GOOD_ATTAINMENT, QUANTILES, SLO, Load, RequestRecord, Run,  # noqa: F401
-                                   Status, distribution, goodput, next_probe, percentile, summarize)
+from bench.serving_metrics import (  # noqa: F401
+    GOOD_ATTAINMENT,
+    QUANTILES,
+    SLO,
+    Load,
+    RequestRecord,
+    Run,
+    Status,
+    distribution,
+    goodput,
+    next_probe,
+    percentile,
+    summarize,
+)
 from deploy.planner.workload import Request, poisson_arrivals, requests_from_lengths, sample_workload
 from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
@@ -295,8 +308,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
 
 
 def load_tokenizer(args: argparse.Namespace):
-    from engine.model_source import resolve_model
-    from engine.tokenizer import Tokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer import Tokenizer
 
     try:
         return Tokenizer.from_pretrained(args.tokenizer or resolve_model(args.model))

@@ -69,10 +69,10 @@ def in_process(args) -> dict:
     """One trace event and one step observation, timed against a decode step of batch 16."""
     import torch
 
-    from engine import trace
+    from common import trace
+    from common.sampling_params import SamplingParams
     from engine.llm import LLM
     from engine.llm_engine import StepStats
-    from engine.sampling_params import SamplingParams
     from worker import metrics
 
     torch.set_num_threads(1)
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-serving", action="store_true", help="only the in-process costs")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from engine.model_source import resolve_model
-    from engine.tokenizer import Tokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer import Tokenizer
     from kernels.host import cpu
 
     isa = cpu().describe()

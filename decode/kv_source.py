@@ -22,8 +22,8 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from common import trace
 from decode import metrics
-from engine import trace
 from engine.sequence import KeptKV
 from rpc import pdserve_pb2 as pb
 from transfer import KVPusher, PushStatus, TransferAgent

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import trace
+from common import trace
 from engine.scheduler import RemotePrefill
 from rpc import auth
 from rpc import pdserve_pb2 as pb

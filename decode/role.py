@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+from common import trace
 from decode.kv_source_service import KVSourceService
 from decode.remote_prefill import DEFAULT_ABORT_BOUND_S
 from decode.service import DecodeService
 from decode.worker import DecodeWorker
-from engine import trace
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2_grpc as pb_grpc
 from worker.process import Role, Serving, build_agent, worker_arguments

@@ -8,9 +8,9 @@ import uuid
 
 import grpc
 
+from common import trace
+from common.grammar_spec import GrammarError
 from decode.worker import DecodeWorker
-from engine import trace
-from engine.grammar import GrammarError
 from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc

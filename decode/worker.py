@@ -21,15 +21,22 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from common import trace
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
 from decode import metrics
 from decode.kv_source import KVSource
-from decode.remote_prefill import (DEFAULT_ABORT_BOUND_S, Event, KVReady, PrefillHere, Quarantined, Released,
-                                   RemotePrefills)
-from engine import trace
+from decode.remote_prefill import (
+    DEFAULT_ABORT_BOUND_S,
+    Event,
+    KVReady,
+    PrefillHere,
+    Quarantined,
+    Released,
+    RemotePrefills,
+)
 from engine.llm_engine import LLMEngine, StepResult
-from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestRejected, SchedulerOutput
-from engine.sequence import FinishReason
 from rpc import pdserve_pb2 as pb
 from rpc.convert import finish_to_pb, logprobs_to_pb
 from transfer import TransferAgent

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import ray
 
+from common.parent_watch import ENV as PARENT_ENV
 from deploy.process_log import RotatingLog, log_root
 from deploy.slot import HostReport
-from worker.parent_watch import ENV as PARENT_ENV
 
 _ADMIN = re.compile(r"^admin on (\S+):(\d+)$", re.MULTILINE)
 LOG_ROOT = log_root()

@@ -15,14 +15,14 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from engine import envs
+from common import envs
 
 MAX_BYTES = 64 << 20
 BACKUPS = 2
 
 
 def log_root() -> Path:
-    """PDSERVE_LOG_DIR, else <cache dir>/logs (engine/envs.py)."""
+    """PDSERVE_LOG_DIR, else <cache dir>/logs (common/envs.py)."""
     return envs.log_dir()
 
 

@@ -17,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 # Ray's token auth, always (before Ray is imported; every Ray process inherits it): an open
 # Ray runs anyone's code through its job-submission API. Ray finds the token as it
@@ -26,6 +25,7 @@ from pathlib import Path
 # nothing more. Only a test's own loopback sandbox sets RAY_AUTH_MODE=disabled.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 
+from common import envs  # noqa: E402
 from deploy.config import ConfigError, DeployConfig  # noqa: E402
 
 CONTROLLER, NAMESPACE = "pdserve-controller", "pdserve"
@@ -62,14 +62,14 @@ def _say(message: str) -> None:
 
 
 def _check_ray_auth() -> None:
-    if os.environ.get("RAY_AUTH_MODE") != "token":
-        _say(f"WARNING: RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}: Ray's APIs take anyone's code on this "
+    if envs.ray_auth_mode() != "token":
+        _say(f"WARNING: RAY_AUTH_MODE={envs.ray_auth_mode()}: Ray's APIs take anyone's code on this "
              "cluster's ports; use token auth (unset it) outside a sandbox")
 
 
 def _private_ray_token() -> None:
     """Ray writes its default token file readable by all; only its owner needs it."""
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    path = envs.ray_auth_token_path()
     try:
         if path.is_file():
             path.chmod(0o600)
@@ -117,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
 
-    from engine.model_source import resolve_model
+    from common.model_source import resolve_model
 
     t0 = time.monotonic()
     _say(f"preparing model {config.model} (converted once, then cached)")
@@ -137,7 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         _say(f"dtype {config.dtype} (as configured)")
 
-    address = args.address or os.environ.get("RAY_ADDRESS")
+    address = args.address or envs.ray_address()
     if not address:
         _embedded_on_loopback()
     import ray
@@ -218,7 +218,7 @@ def _print_events(ray, controller, seen: int) -> int:
 def _connect(args: argparse.Namespace):
     import ray
 
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
+    ray.init(address=args.address or envs.ray_address() or "auto", namespace=NAMESPACE,
              logging_level=logging.WARNING, log_to_driver=False)
     try:
         return ray, ray.get_actor(CONTROLLER, namespace=NAMESPACE)

@@ -26,8 +26,8 @@ def add_chat_command(sub: argparse._SubParsersAction) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from common.sampling_params import SamplingParamsError
     from engine import LLM, SamplingParams
-    from engine.sampling_params import SamplingParamsError
     from engine.scheduler import RequestRejected
 
     try:

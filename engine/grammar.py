@@ -33,10 +33,10 @@ import logging
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.grammar_spec import Grammar, GrammarError
 from engine.cached_compiler import CachedCompiler, Overdue
 
 if TYPE_CHECKING:  # torch and xgrammar load on first use: the gateway imports this module for Grammar alone
@@ -44,7 +44,6 @@ if TYPE_CHECKING:  # torch and xgrammar load on first use: the gateway imports t
 
 log = logging.getLogger(__name__)
 
-MAX_SCHEMA_CHARS = 64 * 1024  # a bound on what one request may ask the compiler to build
 _CACHE_SIZE = 256  # compiled grammars (and refused schemas) kept per process, least recently used dropped
 MAX_COMPILE_WAITERS = 256  # callers waiting for compiles, where the engine's queue sets no bound
 # What one schema may cost to compile, in compiles of REFERENCE_SCHEMA timed on this process:
@@ -52,30 +51,6 @@ MAX_COMPILE_WAITERS = 256  # callers waiting for compiles, where the engine's qu
 COMPILE_BUDGET_REFS = 200
 REFERENCE_SCHEMA = json.dumps({"type": "object", "properties": {
     f"f{i}": {"type": "string", "pattern": "[a-z]{2,9}@[a-z]+\\.(com|org)"} for i in range(5)}})
-
-
-class GrammarError(ValueError):
-    """The schema cannot constrain an output: the message says what is wrong with it."""
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """A JSON schema the output must follow. strict: properties the schema does not name are
-    refused unless it allows them (OpenAI's `strict: true`); otherwise JSON Schema's own
-    default (allowed) holds. `{"type": "object"}` is OpenAI's json_object mode."""
-
-    json_schema: str
-    strict: bool = True
-    # Its compiled form, once Grammars.compile made it for this request (not part of its
-    # identity): the matcher is made from it, never from the cache, which may have dropped it.
-    compiled: object = field(default=None, init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if len(self.json_schema) > MAX_SCHEMA_CHARS:
-            raise GrammarError(f"schema is {len(self.json_schema)} characters; at most {MAX_SCHEMA_CHARS} are served")
-
-
-JSON_OBJECT = Grammar('{"type": "object"}', strict=False)
 
 
 def _vocab_type(tokenizer_json: dict) -> str:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, hash_block_tokens, salt_root
+from common.block_hash import hash_block_tokens, salt_root
+from engine.block_pool import BlockPool
 
 
 class KVCacheManager:
@@ -36,7 +37,7 @@ class KVCacheManager:
 
     def get_computed_blocks(self, token_ids: Sequence[int], salt: str = "") -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute.
-        `salt`: only blocks cached under the same salt match (engine/block_pool.salt_root).
+        `salt`: only blocks cached under the same salt match (common/block_hash.salt_root).
 
         Returns (block_ids, num_cached_tokens). Reference counts are not changed; pass
         block_ids to allocate_slots to take them.

@@ -15,13 +15,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from common.detokenizer import IncrementalDetokenizer
+from common.model_source import resolve_model
+from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import LLMEngine
-from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
 from kernels.host import cpu
 
 Prompt = str | list[int]

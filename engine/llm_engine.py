@@ -20,19 +20,21 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from common.engine_stats import EngineStats
+from common.grammar_spec import GrammarError
+from common.sampling_params import SamplingParams
 from engine.cached_compiler import Busy as CompilerBusy
-from engine.grammar import MAX_COMPILE_WAITERS, GrammarError, Grammars
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.grammar import MAX_COMPILE_WAITERS, Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner
-from engine.step_buffers import StepLimits
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import KeptKV, Sequence
+from engine.step_buffers import StepLimits
 from engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -43,25 +45,6 @@ class StepStats:
     num_tokens: int
     num_seqs: int
     seconds: float
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The queue and the KV pool now (plain reads: each field consistent on its own, so any
-    thread may ask)."""
-
-    num_waiting: int
-    waiting_tokens: int
-    num_running: int
-    free_blocks: int
-    total_blocks: int
-    block_size: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-
-    @property
-    def queued(self) -> int:
-        return self.num_waiting + self.num_running
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.token_logprobs import TokenLogprobs
 from engine.attention import step_attention
 from engine.grammar import allowed_next
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampler import Sampler, SamplingMetadata, TokenLogprobs
+from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import SchedulerOutput
 from engine.step_buffers import StepBuffers, StepLimits
 from kernels.attention_step import PrefillSpan

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampler import TokenLogprobs
-from engine.sequence import FinishReason
+from common.finish_reason import FinishReason
+from common.token_logprobs import TokenLogprobs
 
 
 @dataclass

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain, repeat
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 import kernels
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from common.sampling_params import SamplingParams, SamplingParamsError
+from common.token_logprobs import TokenLogprobs
 from engine.seeded_random import seeded_exponentials
 from kernels.op_set import DenseSampling
 
@@ -209,14 +210,6 @@ class SamplingMetadata:
             grammar_rows=_tensor(grammar[0], torch.int64, device) if grammar else None,
             grammar_allowed=grammar[1].to(device) if grammar else None,
         )
-
-
-class TokenLogprobs(NamedTuple):
-    """Logprobs of one sampled token, from log_softmax of the raw model logits."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the params.logprobs most likely (token id, logprob)
 
 
 @dataclass

@@ -19,9 +19,10 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
+from common.finish_reason import FinishReason
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sequence import FinishReason, KeptKV, Sequence, SequenceStatus
+from engine.sequence import KeptKV, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -17,13 +18,6 @@ class SequenceStatus(enum.Enum):
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # blocks reserved, a prefill worker writes them
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"  # EOS or a stop token
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the caller
-    ERROR = "error"  # could not be served (e.g. every prefill attempt failed)
 
 
 @dataclass(eq=False)

@@ -15,17 +15,17 @@ import sys
 
 import uvicorn
 
-from engine import trace
-from engine.model_source import resolve_model
+from common import envs, trace
+from common.model_source import resolve_model
+from common.parent_watch import watch_parent
 from gateway import admin_listener
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.metrics import SLO
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
-from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.tenants import Tenants
 from rpc.auth import is_loopback
-from worker.parent_watch import watch_parent
 
 
 def main() -> None:
@@ -76,7 +76,7 @@ def main() -> None:
     refusal = open_bind_refusal(args.host, bool(args.tenants), args.insecure_no_api_keys)
     if refusal:
         ap.error(refusal)
-    admin_token = os.environ.get("PDSERVE_ADMIN_TOKEN") or None
+    admin_token = envs.admin_token()
     if not args.decode and not admin_token:
         ap.error("--decode is required (or PDSERVE_ADMIN_TOKEN, for membership pushed by the deploy controller)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from common.tokenizer import ChatTemplateError, Tokenizer
 from gateway import scrape
 from gateway.admin_listener import AdminOnLoopback
 from gateway.admission import Admission

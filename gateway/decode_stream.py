@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from engine import trace
+from common import trace
 from gateway.errors import APIError
 from gateway.metrics import RETRIES
 from rpc import pdserve_pb2 as pb

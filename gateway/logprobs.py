@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from rpc import pdserve_pb2 as pb
 
 

@@ -23,15 +23,14 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine import trace
-from engine.tokenizer import Tokenizer
-from gateway import responses
+from common import trace
+from common.tokenizer import Tokenizer
+from gateway import metrics, responses
 from gateway.admission import Admission, Ticket
 from gateway.backend import Backend
 from gateway.client_gone import ClientGone, unless_gone
 from gateway.decode_stream import DecodeStream
 from gateway.errors import APIError
-from gateway import metrics
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
@@ -39,7 +38,6 @@ from gateway.router import NoWorker, Router, WorkerState
 from gateway.tenants import Tenant
 from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
-
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,22 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine import trace
-from engine.tokenizer import Tokenizer
+from common import trace
+from common.tokenizer import Tokenizer
 from gateway.errors import APIError
 from gateway.logprobs import Logprobs
 from gateway.logprobs import render as render_logprobs
-from gateway.metrics import (COMPLETION_TOKENS, E2E, OUTPUT_LENGTHS, PROMPT_LENGTHS, PROMPT_TOKENS, REQUESTS, SLO,
-                             SLO_REQUESTS, TPOT)
+from gateway.metrics import (
+    COMPLETION_TOKENS,
+    E2E,
+    OUTPUT_LENGTHS,
+    PROMPT_LENGTHS,
+    PROMPT_TOKENS,
+    REQUESTS,
+    SLO,
+    SLO_REQUESTS,
+    TPOT,
+)
 from gateway.text_stream import TextStream
 from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb

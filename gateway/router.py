@@ -10,7 +10,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from engine.block_pool import block_hashes
+from common.block_hash import block_hashes
 
 AFFINITY_BLOCKS = 4  # how many leading full blocks decide the favourite prefill worker
 OVERLOAD_TOKENS = 2048  # a favourite this many queued prompt tokens behind the least-loaded is overloaded

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 
-from engine.grammar import JSON_OBJECT, Grammar, GrammarError
+from common.grammar_spec import JSON_OBJECT, Grammar, GrammarError
 from gateway.errors import APIError
 from gateway.protocol import ResponseFormat
 

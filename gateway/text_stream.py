@@ -9,8 +9,8 @@ times the number of stop strings, whatever their length (gateway/protocol.py bou
 
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
 
 
 class TextStream:

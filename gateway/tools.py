@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.grammar import Grammar, GrammarError
+from common.grammar_spec import Grammar, GrammarError
 from gateway.errors import APIError
 
 MAX_TOOLS = 128

@@ -6,8 +6,8 @@ attention and the row-wise ops by native kernels built for this host's ISA: fast
 bench/RESULTS.md), or `kernels.reference.OPS` where no compiler can build them (logged);
 on CUDA the Triton kernels of `kernels.triton_ops.OPS` (one module per concept beside them:
 paged_attention, kv_copy, norm_rope, sampling). `kernels.reference` is also every
-kernel's oracle. PDSERVE_KERNELS, read here and nowhere else (with PDSERVE_CACHE_DIR,
-where the native library is cached), overrides the choice: `torch` takes the references
+kernel's oracle. PDSERVE_KERNELS (common/envs.py; PDSERVE_CACHE_DIR says
+where the native library is cached) overrides the choice: `torch` takes the references
 everywhere, `triton` the Triton kernels everywhere (on CPU they run in Triton's
 interpreter: slow, for tests), `native` requires the native op set (an error without it).
 
@@ -24,25 +24,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
 
+from common import envs
 from kernels.host import log_choice
 from kernels.op_set import OpSet
 
 log = logging.getLogger(__name__)
 
-_CHOICES = ("auto", "torch", "triton", "native")
-
-
 def kernel_choice() -> str:
     """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, native on CPU where it builds, else
     torch), `torch`, `triton` or `native` (CPU: the native op set, or an error)."""
-    value = os.environ.get("PDSERVE_KERNELS", "").strip().lower() or "auto"
-    if value not in _CHOICES:
-        raise ValueError(f"PDSERVE_KERNELS={value!r}: use one of {', '.join(_CHOICES)}")
-    return value
+    return envs.kernels()
 
 
 def get_ops(device: torch.device | str) -> OpSet:
@@ -75,9 +69,8 @@ def _native_ops(choice: str) -> OpSet | None:
     with the reason logged."""
     from kernels import native, native_ops
 
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
     try:
-        native_ops.init(cache)
+        native_ops.init(envs.cache_dir())
     except (native.NativeUnavailable, OSError) as e:
         log.warning("the native kernels are unavailable: %s", e)
         return None

@@ -25,7 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 import kernels
+from common import envs
 from kernels import native
 from kernels.dtype_calibration import Measurement, Rates, measure
 from kernels.host import auto_dtype as capability_dtype
@@ -55,12 +55,7 @@ class CalibrationMode(Enum):
     @classmethod
     def from_env(cls) -> CalibrationMode:
         """PDSERVE_DTYPE_CALIBRATION: auto (default), off (also 0/false/no) or always."""
-        value = os.environ.get(ENV, "").strip().lower() or "auto"
-        value = "off" if value in ("0", "false", "no") else value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"{ENV}={value!r}: use auto, off or always") from None
+        return cls(envs.dtype_calibration())
 
 
 class Source(Enum):
@@ -130,12 +125,8 @@ def choose(mode: CalibrationMode | None = None, path: Path | None = None,
 
 
 def cache_path() -> Path:
-    """$PDSERVE_CACHE_DIR, else $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve; then CACHE_FILE."""
-    folder = os.environ.get("PDSERVE_CACHE_DIR")
-    if not folder:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        folder = Path(base) / "pdserve"
-    return Path(folder) / CACHE_FILE
+    """CACHE_FILE in pdserve's cache folder (common/envs.py: cache_dir)."""
+    return envs.cache_dir() / CACHE_FILE
 
 
 def cache_key() -> str:

@@ -21,7 +21,6 @@ import fcntl
 import functools
 import hashlib
 import logging
-import os
 import shutil
 import subprocess
 import tempfile
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from common import envs
 from kernels.host import cpu
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def runnable_levels() -> list[str]:
 def build(cache_dir: Path, level: str | None = None) -> Path:
     """The shared library for `level` (default: this host's), compiled unless cached."""
     level = level or isa_level()
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = envs.cxx() or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise NativeUnavailable("no C++ compiler found (install g++, or set CXX): native CPU kernels are off")
     flags = [*_COMMON, *_FLAGS[level]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine import trace
+from common import trace
 from engine.llm_engine import LLMEngine
 from prefill.service import PrefillService
 from prefill.worker import PrefillWorker

@@ -16,18 +16,18 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
-from engine import trace
+from common import trace
+from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, StepResult
-from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
 from transfer import KVPusher, PushStatus, TransferAgent
-from worker.destination import checked_destination
-from worker.push_calls import EarlyAborts
 from worker import metrics as worker_metrics
+from worker.destination import checked_destination
 from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
+from worker.push_calls import EarlyAborts
 
 log = logging.getLogger(__name__)
 

@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
 
 import grpc
 from grpc import aio
 
+from common import envs
 from rpc import proof
 
-ENV = "PDSERVE_INTERNAL_TOKEN"
+ENV = envs.INTERNAL_TOKEN
 HEADER = "x-pdserve-token"
 
 
 def internal_token() -> str | None:
-    return os.environ.get(ENV) or None
+    return envs.internal_token()
 
 
 def is_loopback(host: str) -> bool:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.sampler import TokenLogprobs
-from engine.grammar import Grammar
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
+from common.finish_reason import FinishReason
+from common.grammar_spec import Grammar
+from common.sampling_params import SamplingParams
+from common.token_logprobs import TokenLogprobs
 from rpc import pdserve_pb2 as pb
 
 if TYPE_CHECKING:  # the gateway reads this module and never imports torch
-    from engine.llm_engine import EngineStats
+    from common.engine_stats import EngineStats
 
 _FINISH_TO_PB = {
     None: pb.FINISH_NONE,

@@ -37,7 +37,7 @@ def smollm2_gguf() -> Path:
 def smollm2_dir(smollm2_gguf: Path) -> Path:
     """SmolLM2 as a Hugging Face folder, from the same conversion cache `make serve` uses
     (converted on first use, ~20 s; PDSERVE_CACHE_DIR moves it)."""
-    from engine.model_source import resolve_model
+    from common.model_source import resolve_model
 
     return resolve_model("smollm2")
 
@@ -92,7 +92,7 @@ def libraries():
 
     if shutil.which("g++") is None:
         pytest.fail("no g++ on this host: the native kernels cannot be tested (install g++)")
-    from engine.model_source import default_cache_dir
+    from common.model_source import default_cache_dir
 
     cache = default_cache_dir()  # the engine's own build cache: built once per source change, shared
     levels = native.runnable_levels()

@@ -1,5 +1,6 @@
 """Dependencies point down: bench -> deploy -> gateway, prefill, decode -> worker -> rpc,
-transfer -> engine -> kernels; inside deploy, the Ray runtime -> the planner (deploy/planner/)
+transfer -> engine -> kernels -> common, where common is the torch-free layer everything
+shares (the gateway and rpc import nothing else below them, so they never load torch); inside deploy, the Ray runtime -> the planner (deploy/planner/)
 -> the log readers (deploy/observe/), never the other way; tests may use anything, and
 nothing but bench and tests imports bench. No two modules import each other, however long
 the way round. Read from the source (every import statement, at any depth, not only at
@@ -16,15 +17,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 # What each package may import of ours (besides itself).
 ALLOWED = {
-    "kernels": set(),
-    "engine": {"kernels"},
-    "transfer": {"engine", "kernels"},
-    "rpc": {"engine", "kernels"},
-    "worker": {"engine", "kernels", "rpc", "transfer"},
-    "prefill": {"engine", "kernels", "rpc", "transfer", "worker"},
-    "decode": {"engine", "kernels", "rpc", "transfer", "worker"},
-    "gateway": {"engine", "kernels", "rpc", "worker"},
-    "deploy": {"engine", "kernels", "rpc", "transfer", "worker", "gateway", "prefill", "decode"},
+    "common": set(),
+    "kernels": {"common"},
+    "engine": {"common", "kernels"},
+    "transfer": {"common", "engine", "kernels"},
+    "rpc": {"common"},
+    "worker": {"common", "engine", "kernels", "rpc", "transfer"},
+    "prefill": {"common", "engine", "kernels", "rpc", "transfer", "worker"},
+    "decode": {"common", "engine", "kernels", "rpc", "transfer", "worker"},
+    "gateway": {"common", "rpc"},
+    "deploy": {"common", "engine", "kernels", "rpc", "transfer", "worker", "gateway", "prefill", "decode"},
 }
 # Inside deploy: what each subpackage may import of deploy besides itself (the rest of deploy
 # is the Ray runtime, which may import them).
@@ -151,6 +153,37 @@ def test_the_planner_and_the_log_readers_import_nothing_of_the_ray_runtime(packa
     allowed = DEPLOY_INSIDE[package] | {package}
     wrong = [f"{m} imports {t}" for m in sorted(graph) if _within(m, package) for t in sorted(graph[m])
              if t.split(".")[0] in ("deploy", "bench") and not any(_within(t, a) for a in allowed)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_gateway_and_rpc_load_no_torch():
+    """What the gateway process imports (its app, the router, rpc's conversions) runs on
+    common/ alone: torch is not loaded, even indirectly."""
+    import subprocess
+    import sys
+
+    code = ("import sys, gateway.app, gateway.__main__, gateway.router, rpc.convert, common.model_source; "
+            "print(sorted(m for m in ('torch', 'engine', 'kernels') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_every_environment_variable_is_read_in_common_envs():
+    """One typed module reads the environment (a write for a child process or a library,
+    such as Ray's or Triton's variables, may happen where it is needed)."""
+    wrong = []
+    for package in sorted(ALLOWED):
+        for path in sorted((REPO / package).rglob("*.py")):
+            if path == REPO / "common" / "envs.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                read = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("get", "getenv") and "environ" in ast.unparse(node.func.value)
+                        or isinstance(node, ast.Call) and ast.unparse(node.func) == "os.getenv"
+                        or isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ"
+                        and isinstance(node.ctx, ast.Load))
+                if read:
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {ast.unparse(node)}")
     assert not wrong, "\n".join(wrong)
 
 

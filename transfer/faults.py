@@ -1,5 +1,5 @@
 """Injected KV-transfer faults, read from the file PDSERVE_FAULT_TRANSFER_FILE names
-(engine/envs.py): the chaos suite and tests write it while a deployment runs.
+(common/envs.py): the chaos suite and tests write it while a deployment runs.
 
     delay_s=1.5 error_rate=0.25 only=prefill-0
 
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs
+from common import envs
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine import envs, trace
+from common import envs, trace
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.scheduler import SchedulerOutput
 from worker import metrics, step_log

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from engine import envs
+from common import envs
 from engine.llm_engine import StepStats
 from engine.scheduler import SchedulerOutput
 

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from common.model_source import resolve_model
+from common.parent_watch import watch_parent
+from common.tokenizer import Tokenizer
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.model_source import resolve_model
-from engine.tokenizer import Tokenizer
-from rpc import proof
 from rpc import pdserve_pb2_grpc as pb_grpc
+from rpc import proof
 from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop
-from worker.parent_watch import watch_parent
 from worker.role_change import RoleChange, RoleChanges
 from worker.service import WorkerService
 

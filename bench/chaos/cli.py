@@ -19,7 +19,7 @@ from bench.chaos.deployment import Deployment
 from bench.chaos.report import table
 from bench.chaos.scenarios import OWN_DEPLOYMENT, SCENARIOS, SHARED_DEPLOYMENT
 from bench.chaos.sizes import FULL, QUICK
-from engine import envs
+from common import envs
 
 
 def _say(message: str) -> None:

@@ -22,7 +22,7 @@ import yaml
 
 from bench.chaos.client import until
 from bench.chaos.sizes import KV_BLOCKS, MAX_OUTPUT_TOKENS, RECOVERY_TIMEOUT_S, Sizes
-from engine import envs
+from common import envs
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc

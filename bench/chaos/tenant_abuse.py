@@ -28,8 +28,8 @@ import httpx
 from bench.chaos.client import client, completion, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Record, Result
-from bench.chaos.slow_bodies import SlowBodies, slow_bodies
 from bench.chaos.sizes import MODEL
+from bench.chaos.slow_bodies import SlowBodies, slow_bodies
 from bench.serving_metrics import percentile
 from gateway.params import MAX_LOGPROB_ENTRIES
 
@@ -249,8 +249,8 @@ async def _lone_replacement_bias(res: Result, http: httpx.AsyncClient, url: str,
 
 def _lone_replacement_token() -> int:
     """A token id of the served model whose text alone is U+FFFD (a byte of a longer character)."""
-    from engine.model_source import resolve_model
-    from engine.tokenizer import Tokenizer
+    from common.model_source import resolve_model
+    from common.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(resolve_model(MODEL))
     return next(i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd")

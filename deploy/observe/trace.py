@@ -1,7 +1,7 @@
 """`pdserve trace ID`: one request's timeline, joined from every process's log.
 
 The gateway, decode and prefill workers each log a request's events as `pdserve.trace`
-lines (engine/trace.py). This reads them from the log files under the given folders (by
+lines (common/trace.py). This reads them from the log files under the given folders (by
 default every deployment's, under PDSERVE_LOG_DIR), keeps those of one request (by the
 gateway's id, or by the client's X-Request-Id, which the gateway's `arrived` event
 names), orders them by time and prints them, then splits its time to first token into the
@@ -21,8 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import envs
-from engine.trace import LOGGER_NAME
+from common import envs
+from common.trace import LOGGER_NAME
 from deploy.observe.logs import json_lines, log_files
 
 _MARK = f" {LOGGER_NAME}: "

@@ -198,9 +198,9 @@ def _measure(model: str, dtype: str, threads: int, grid: dict, kv_memory_gib: fl
              max_num_batched_tokens: int, say) -> Profile:
     import torch
 
+    from common.model_source import resolve_model
     from engine import LLMEngine, SamplingParams
     from engine.config import CacheConfig, ModelConfig, SchedulerConfig
-    from engine.model_source import resolve_model
 
     torch.set_num_threads(threads)
     path = resolve_model(model)

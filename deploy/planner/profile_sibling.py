@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from common.model_source import resolve_model
     from engine import LLMEngine, SamplingParams
     from engine.config import CacheConfig
-    from engine.model_source import resolve_model
 
     torch.set_num_threads(args.threads)
     engine = LLMEngine.from_folder(resolve_model(args.model), args.dtype, CacheConfig(memory_gib=0.5))

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from common.sampling_params import SamplingParams
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import Sequence
 

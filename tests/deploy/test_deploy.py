@@ -28,7 +28,7 @@ from tests.harness.worker_procs import REPO
 @pytest.fixture(scope="module")
 def embedded(smollm2_dir, tmp_path_factory):
     """The default system (1 prefill, 1 decode) on an embedded Ray with room for a third worker.
-    Its workers wedge while the file `stall` next to the log names them (engine/envs.py)."""
+    Its workers wedge while the file `stall` next to the log names them (common/envs.py)."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4",

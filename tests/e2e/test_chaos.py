@@ -55,7 +55,7 @@ def run(ctx: chaos.Chaos, name: str) -> chaos.Result:
 def test_the_stall_fault_wedges_the_named_worker_only(tmp_path, monkeypatch):
     """An empty stall file wedges every worker (tests/worker/test_workers.py relies on it); one that
     names workers wedges those only, so one variable can serve a whole deployment."""
-    from engine import envs
+    from common import envs
     from worker.loop import EngineLoop
 
     stall = tmp_path / "stall"

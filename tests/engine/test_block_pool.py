@@ -12,7 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_pool import BlockPool, block_hashes, hash_block_tokens
+from common.block_hash import block_hashes, hash_block_tokens
+from engine.block_pool import BlockPool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +124,7 @@ GOLDEN = "hash_block_tokens(hash_block_tokens(None, [1, 2, 3]), [2**40, -1, 0]).
 
 def test_hash_is_stable_across_processes():
     here = eval(GOLDEN, {"hash_block_tokens": hash_block_tokens})
-    code = f"from engine.block_pool import hash_block_tokens; print({GOLDEN})"
+    code = f"from common.block_hash import hash_block_tokens; print({GOLDEN})"
     outs = set()
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}

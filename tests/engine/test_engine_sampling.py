@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason
 from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
 

@@ -13,10 +13,10 @@ import threading
 import jsonschema
 import pytest
 
+from common.grammar_spec import Grammar
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
-from engine.grammar import Grammar
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull
 
 MAX_WAITING = 8  # compile waiters count against it: one client may hold half

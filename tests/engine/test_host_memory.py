@@ -18,7 +18,7 @@ _SAMPLER_STEPS = textwrap.dedent("""
     import resource, sys, torch
     from engine.host_memory import keep_freed_memory
     from engine.sampler import Sampler, SamplingMetadata
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
     assert keep_freed_memory() and keep_freed_memory()  # once, then idempotent
     V, B = 49152, 32
     logits = torch.randn(B, V, dtype=torch.bfloat16)

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_pool import block_hashes
+from common.block_hash import block_hashes
 from engine.kv_cache_manager import KVCacheManager
 
 

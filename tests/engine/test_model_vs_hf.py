@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.kv_cache import KVCache
 from engine.llm_engine import LLMEngine
 from engine.model import CausalLM
-from engine.sampling_params import SamplingParams
-from engine.weights import load_weights
-from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
+from engine.weights import load_weights
 from tests.harness.tiny_models import KINDS, VOCAB, load_hf, write_tiny_checkpoint
 
 

@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams, SamplingParamsError
 from engine.sampler import Sampler, SamplingMetadata, process_logits, sampling_probs
-from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.seeded_random import seeded_exponentials
 
 VOCAB = 50

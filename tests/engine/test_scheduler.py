@@ -7,11 +7,12 @@ import random
 
 import pytest
 
+from common.finish_reason import FinishReason
+from common.sampling_params import SamplingParams
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.sampling_params import SamplingParams
 from engine.scheduler import QueueFull, RequestRejected, Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import Sequence
 
 EOS = 2
 

@@ -4,7 +4,8 @@ Fake runner outputs; every test ends with a leak check."""
 
 from __future__ import annotations
 
-from engine.sequence import FinishReason, SequenceStatus
+from common.finish_reason import FinishReason
+from engine.sequence import SequenceStatus
 from tests.engine.test_scheduler import assert_no_leak, fake_tokens, make, run_to_end, seq
 
 

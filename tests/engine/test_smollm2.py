@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.finish_reason import FinishReason
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.sequence import FinishReason
 
 PROMPTS = [
     "The capital of France is",

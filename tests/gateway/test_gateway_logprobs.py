@@ -13,7 +13,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from gateway import responses
 from rpc import pdserve_pb2 as pb
 

@@ -16,8 +16,9 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from engine.grammar import MAX_SCHEMA_CHARS, Grammar, Grammars, allowed_next
-from engine.sampling_params import SamplingParams, SamplingParamsError
+from common.grammar_spec import MAX_SCHEMA_CHARS, Grammar
+from common.sampling_params import SamplingParams, SamplingParamsError
+from engine.grammar import Grammars, allowed_next
 
 NESTED = {"type": "object", "properties": {
     "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},

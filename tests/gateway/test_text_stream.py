@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from gateway.protocol import MAX_STOP_CHARS, CompletionRequest
 from gateway.text_stream import TextStream
 

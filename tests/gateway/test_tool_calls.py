@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import pytest
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 from gateway.tools import FunctionSpec, ToolPlan
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},

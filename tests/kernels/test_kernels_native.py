@@ -138,9 +138,9 @@ def test_auto_takes_the_native_op_set_on_cpu_and_the_torch_ops_without_a_compile
 def test_the_engine_gives_the_same_greedy_tokens_through_the_native_op_set(tmp_path, monkeypatch):
     """float32, a tiny random model, a batch of prompts of mixed lengths decoded together:
     the same tokens through the native decode attention as through the torch ops."""
+    from common.sampling_params import SamplingParams
     from engine.config import CacheConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
     from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa", seed=3)

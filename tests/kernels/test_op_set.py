@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import kernels
+from common.sampling_params import SamplingParams
 from engine.sampler import RowDraw, SamplingMetadata, process_logits
-from engine.sampling_params import SamplingParams
 from kernels.attention_step import AttentionMetadata, PrefillSpan, StepDecodes
 from kernels.native_ops import NativeOps
 from kernels.op_set import OpSet

@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from engine import envs
+from common import envs
 from tests.harness.fake_nixl import fake_agent
 from transfer.faults import FaultFile, TransferFault
 from transfer.push import KVPusher, PushStatus

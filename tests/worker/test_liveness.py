@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import envs
+from common import envs
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, StepStats
-from engine.sampling_params import SamplingParams
 from tests.harness.tiny_models import write_tiny_checkpoint
 from tests.harness.worker_procs import wait_until
 from worker.liveness import Liveness

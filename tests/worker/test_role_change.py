@@ -20,9 +20,9 @@ import grpc
 import httpx
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from tests.harness.gateway_procs import gateway, metric_value
 from tests.harness.tiny_models import write_tiny_checkpoint

@@ -21,11 +21,11 @@ from prometheus_client import REGISTRY
 
 import prefill.worker as prefill_worker
 import worker.destination as destination
+from common.sampling_params import SamplingParams
 from decode.remote_prefill import Phase
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from rpc import pdserve_pb2 as pb
 from tests.harness.fake_nixl import fake_agent
 from tests.harness.tiny_models import write_tiny_checkpoint

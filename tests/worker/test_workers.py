@@ -33,9 +33,9 @@ import grpc
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc

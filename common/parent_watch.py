@@ -12,17 +12,19 @@ import os
 import threading
 from collections.abc import Callable
 
-ENV = "PDSERVE_PARENT_PID"
+from common import envs
+
+ENV = envs.PARENT_PID
 
 
 def watch_parent(on_orphaned: Callable[[], None], interval_s: float = 0.5) -> None:
     """Call on_orphaned once the parent named in PDSERVE_PARENT_PID is gone (no-op if unset)."""
-    expected = os.environ.get(ENV)
-    if not expected:
+    expected = envs.parent_pid()
+    if expected is None:
         return
 
     def watch() -> None:
-        while os.getppid() == int(expected):
+        while os.getppid() == expected:
             threading.Event().wait(interval_s)
         on_orphaned()
 

@@ -1,4 +1,7 @@
-"""Every environment variable pdserve reads, typed, in one place."""
+"""Every environment variable pdserve reads, typed, in one place (tests/test_layering.py
+checks that no other module reads one). Variables pdserve sets for others to read (Ray's
+RAY_AUTH_MODE, Triton's TRITON_INTERPRET, a child's PDSERVE_PARENT_PID) are written where
+they are needed, under the names defined here."""
 
 from __future__ import annotations
 
@@ -7,8 +10,77 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """PDSERVE_CACHE_DIR: where converted models live (default ~/.cache/pdserve)."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+    """PDSERVE_CACHE_DIR: where converted models, the native kernels' library and the dtype
+    calibration live (default $XDG_CACHE_HOME/pdserve, else ~/.cache/pdserve)."""
+    value = os.environ.get("PDSERVE_CACHE_DIR")
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
+
+
+KERNEL_CHOICES = ("auto", "torch", "triton", "native")
+
+
+def kernels() -> str:
+    """PDSERVE_KERNELS: `auto` (default: Triton on CUDA, native on CPU where it builds, else
+    torch), `torch`, `triton` or `native` (CPU: the native op set, or an error); kernels/__init__.py."""
+    return _choice("PDSERVE_KERNELS", KERNEL_CHOICES)
+
+
+def dtype_calibration() -> str:
+    """PDSERVE_DTYPE_CALIBRATION: `auto` (default: measure bf16 against float32 only where the
+    CPU has no native bf16), `off` (also 0/false/no: the capability rule) or `always`
+    (kernels/dtype_choice.py)."""
+    value = os.environ.get("PDSERVE_DTYPE_CALIBRATION", "").strip().lower()
+    return _choice("PDSERVE_DTYPE_CALIBRATION", ("auto", "off", "always"),
+                   "off" if value in ("0", "false", "no") else value)
+
+
+def cxx() -> str | None:
+    """CXX: the C++ compiler that builds the native kernels (default: g++, else c++, on PATH)."""
+    return os.environ.get("CXX") or None
+
+
+INTERNAL_TOKEN = "PDSERVE_INTERNAL_TOKEN"
+
+
+def internal_token() -> str | None:
+    """PDSERVE_INTERNAL_TOKEN: the deployment's shared secret on every internal gRPC call
+    (rpc/auth.py); the controller makes one and hands it to every process it starts."""
+    return os.environ.get(INTERNAL_TOKEN) or None
+
+
+def admin_token() -> str | None:
+    """PDSERVE_ADMIN_TOKEN: the bearer token of the gateway's admin listener (the controller
+    pushes worker lists with it); unset, the gateway serves the workers on its command line."""
+    return os.environ.get("PDSERVE_ADMIN_TOKEN") or None
+
+
+PARENT_PID = "PDSERVE_PARENT_PID"
+
+
+def parent_pid() -> int | None:
+    """PDSERVE_PARENT_PID: the hosting process a worker or gateway ends with
+    (common/parent_watch.py); set by deploy/hosts.py for the processes it starts."""
+    value = os.environ.get(PARENT_PID, "").strip()
+    return int(value) if value else None
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS: the Ray cluster `pdserve serve` joins (its --address wins); unset, it
+    starts one of its own on loopback."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def ray_auth_mode() -> str | None:
+    """RAY_AUTH_MODE: Ray's own; `pdserve serve` sets `token` unless told otherwise and warns
+    when it is anything else."""
+    return os.environ.get("RAY_AUTH_MODE")
+
+
+def ray_auth_token_path() -> Path:
+    """RAY_AUTH_TOKEN_PATH: Ray's own; where its token file is (default ~/.ray/auth_token)."""
+    return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
 
 
 def log_dir() -> Path:
@@ -19,7 +91,7 @@ def log_dir() -> Path:
 
 
 def trace_enabled() -> bool:
-    """PDSERVE_TRACE: every process on a request's path logs its events (engine/trace.py);
+    """PDSERVE_TRACE: every process on a request's path logs its events (common/trace.py);
     0 / off / false turns them off (default on)."""
     return _flag("PDSERVE_TRACE", True)
 
@@ -35,6 +107,16 @@ def step_log_enabled() -> bool:
     (worker/step_log.py), for `pdserve tune --steps` to fit the step model's contention and
     loop terms from a deployment; 1 / on / true turns it on (default off: a line per step)."""
     return _flag("PDSERVE_STEP_LOG", False)
+
+
+def _choice(name: str, choices: tuple[str, ...], value: str | None = None) -> str:
+    """One of `choices` (the first when unset or blank); a ValueError naming them otherwise."""
+    if value is None:
+        value = os.environ.get(name, "").strip().lower()
+    value = value or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)}")
+    return value
 
 
 def _flag(name: str, default: bool) -> bool:

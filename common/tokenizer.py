@@ -128,7 +128,7 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise TokenizerError(
                 f"no tokenizer.json in {folder}; pass a Hugging Face model folder that has one "
-                "(convert a .gguf file with engine.model_source.resolve_model)"
+                "(convert a .gguf file with common.model_source.resolve_model)"
             )
         config = _read_json(folder / "tokenizer_config.json")
         return cls(

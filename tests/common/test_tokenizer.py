@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
+from common.tokenizer import ChatTemplateError, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello, world!",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.grammar import Grammar
+from common.grammar_spec import Grammar
 
 
 class SamplingParamsError(ValueError):

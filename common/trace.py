@@ -24,7 +24,7 @@ import json
 import logging
 import time
 
-from engine import envs
+from common import envs
 
 LOGGER_NAME = "pdserve.trace"
 _log = logging.getLogger(LOGGER_NAME)
