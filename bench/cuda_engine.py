@@ -2,7 +2,7 @@
 
     python -m bench.cuda_engine        # needs a CUDA device; exits 2 without one
 
-For each tiny random-weight checkpoint kind of tests/harness/tiny_models.py (Llama GQA, MHA with
+For each tiny random-weight checkpoint kind of bench/harness/tiny_models.py (Llama GQA, MHA with
 tied embeddings, Llama-3 RoPE scaling, Mistral, Qwen2 with q/k/v biases), float32:
 - greedy tokens of the engine on CUDA (Triton kernels: paged decode and varlen prefill
   attention, KV writes, fused norms, RoPE, the batched sampler) against the argmax of Hugging
@@ -86,9 +86,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: this checks the engine on a GPU", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench.harness.tiny_models import KINDS, write_tiny_checkpoint
     from engine.config import ModelConfig
-    from tests.harness.tiny_models import KINDS, write_tiny_checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32, both systems
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}")

@@ -27,9 +27,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.worker_procs import WorkerProc, start_worker
+from bench.harness.worker_procs import WorkerProc, WorkerSpec, start_workers
+from common.model_source import resolve_model
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+
+
+READY_TIMEOUT_S = 240.0  # each worker loads the model on its one core
 
 
 def log(msg: str) -> None:
@@ -143,24 +147,24 @@ def main() -> int:
     args = ap.parse_args()
     client = Client()
     tmp = tempfile.mkdtemp(prefix="pdserve-bench-")
+    model = resolve_model(args.model)  # converted once here, not by both workers at once
+    dtype = ["--dtype", args.dtype]
     procs: list[WorkerProc] = []
     report: dict = {"model": args.model, "dtype": args.dtype}
     try:
         log("starting prefill (core 0) and decode (core 1) workers")
-        p = start_worker("prefill", args.model, args.dtype, 0, "0", tmp)
-        procs.append(p)
-        d = start_worker("decode", args.model, args.dtype, 1, "0", tmp)
-        procs.append(d)
+        procs = start_workers([WorkerSpec("prefill", dtype, core=0), WorkerSpec("decode", dtype, core=1)],
+                              model, tmp, READY_TIMEOUT_S)
+        p, d = procs
         report["ttft"] = ttft_table(client, d, p, [int(x) for x in args.lengths.split(",")], args.repeats)
         log("ITL under long-prompt arrivals: disaggregated")
         report["disaggregated"] = itl_run(client, [d.address], [p.address], args.streams, args.out_tokens,
                                           args.long_prompt, args.interval)
         for w in procs:
             w.stop()
-        procs.clear()
         log("ITL under long-prompt arrivals: aggregated (two workers, one core each)")
-        for core in (0, 1):
-            procs.append(start_worker("decode", args.model, args.dtype, core, f"agg{core}", tmp, ["--no-transfer"]))
+        procs = start_workers([WorkerSpec("decode", [*dtype, "--no-transfer"], core=core) for core in (0, 1)],
+                              model, tmp, READY_TIMEOUT_S)
         report["aggregated"] = itl_run(client, [w.address for w in procs], [], args.streams, args.out_tokens,
                                        args.long_prompt, args.interval)
     finally:

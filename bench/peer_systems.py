@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.worker_procs import free_port
+from bench.harness.worker_procs import free_port
 
 START_TIMEOUT_S = 900.0  # vLLM compiles its graphs at start (20-100 s on 2 cores), pdserve converts on first use
 STOP_TIMEOUT_S = 60.0

@@ -2,7 +2,7 @@
 
     python -m bench.transfer [--tokens 2048] [--repeats 5] [--layouts smollm2,llama8b] [--json out.json]
 
-Two worker processes (bench/transfer_peers.py), a sender and a receiver, each hold a
+Two worker processes (bench/harness/bandwidth_peers.py), a sender and a receiver, each hold a
 block-major KV pool of 2x the pushed blocks. For each layout and each descriptor
 granularity (regions_per_block = 1, num_layers, 2 * num_layers) they get fresh agents
 and a handshake; the sender then pushes a prompt's KV (--tokens / 16 blocks, scattered
@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bench.transfer_peers import receiver_main, sender_main
+from bench.harness.bandwidth_peers import receiver_main, sender_main
 from transfer.handshake import agent_name
 from transfer.layout import KVLayout
 

@@ -46,8 +46,8 @@ def smollm2_dir(smollm2_gguf: Path) -> Path:
 def system(smollm2_dir, tmp_path_factory):
     """The gateway tests' deployment: one prefill and one decode worker (SmolLM2, float32)
     behind a `python -m gateway`; yields (url, prefill, decode)."""
-    from tests.harness.gateway_procs import gateway
-    from tests.harness.worker_procs import start_workers
+    from bench.harness.gateway_procs import gateway
+    from bench.harness.worker_procs import start_workers
 
     logs = tmp_path_factory.mktemp("logs")
     args = ["--dtype", "float32", "--kv-blocks", "512"]
@@ -74,7 +74,7 @@ def aggregated(system, smollm2_dir, tmp_path_factory):
     `system`'s decode worker, which then prefills locally."""
     from openai import OpenAI
 
-    from tests.harness.gateway_procs import gateway
+    from bench.harness.gateway_procs import gateway
 
     with gateway(smollm2_dir, [system[2].address], [], tmp_path_factory.mktemp("agg") / "gateway.log") as url:
         yield OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)

@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from bench import serving, serving_cli
+from bench.harness.gateway_procs import gateway
+from bench.harness.worker_procs import start_workers, wait_idle
 from bench.serving import (SLO, Load, Plan, RequestRecord, Run, Status, Target, goodput, next_probe, percentile,
                            summarize)
 from deploy.planner.workload import (LONG_INPUT, LONG_OUTPUT, Request, poisson_arrivals, requests_from_lengths,
                                      sample_workload, sharegpt_requests)
-from tests.harness.gateway_procs import gateway
-from tests.harness.worker_procs import start_workers, wait_idle
 
 
 class CharTokenizer:

@@ -20,9 +20,8 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.harness.deploy_procs import BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, serving, wait_for
-from tests.harness.gateway_procs import free_port
-from tests.harness.worker_procs import REPO
+from bench.harness.deploy_procs import BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, serving, wait_for
+from bench.harness.worker_procs import REPO, free_port
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,8 @@ import re
 import subprocess
 import sys
 
-from tests.harness.deploy_procs import BIN, ENV, serving
-from tests.harness.gateway_procs import free_port
-from tests.harness.worker_procs import REPO
+from bench.harness.deploy_procs import BIN, ENV, serving
+from bench.harness.worker_procs import REPO, free_port
 
 _UNAUTHENTICATED_CLIENT = """
 import sys, ray

@@ -12,8 +12,8 @@ import uuid
 
 import httpx
 
+from bench.harness.worker_procs import REPO
 from deploy.observe.trace import TraceEvent, Timeline, log_files, timelines
-from tests.harness.gateway_procs import REPO
 
 GATEWAY = ["arrived", "admitted", "sent", "first_token", "finished"]
 DECODE = ["arrived", "admitted", "scheduled", "prefill_sent", "kv_ready", "first_token", "finished"]

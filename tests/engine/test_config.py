@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from bench.harness.tiny_models import write_tiny_checkpoint
 from engine.config import SUPPORTED_ARCHITECTURES, CacheConfig, ModelConfig, UnsupportedModelError
 from engine.model import CausalLM
 from engine.weights import CheckpointError, load_weights
-from tests.harness.tiny_models import write_tiny_checkpoint
 
 
 def base_config(**overrides):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from bench.harness.tiny_models import VOCAB, write_tiny_checkpoint
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.harness.tiny_models import KINDS, VOCAB, load_hf, write_tiny_checkpoint
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.kv_cache import KVCache
@@ -19,7 +20,6 @@ from engine.model_runner import ModelRunner
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sequence import Sequence
 from engine.weights import load_weights
-from tests.harness.tiny_models import KINDS, VOCAB, load_hf, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))

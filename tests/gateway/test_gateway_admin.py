@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from tests.harness.gateway_procs import gateway
-from tests.harness.worker_procs import start_workers, wait_until
+from bench.harness.gateway_procs import gateway
+from bench.harness.worker_procs import start_workers, wait_until
 
 ADMIN_TOKEN = "admin-token-for-the-test"
 

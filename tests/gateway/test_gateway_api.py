@@ -13,8 +13,8 @@ import pytest
 from openai import BadRequestError, NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.harness.gateway_procs import CHAT, FLOOD_LIMITS
 from rpc import pdserve_pb2 as pb
-from tests.harness.gateway_procs import CHAT, FLOOD_LIMITS
 
 
 def test_models_health_and_ready(system, client):

@@ -10,8 +10,8 @@ import socket
 import httpx
 import pytest
 
-from tests.harness.gateway_procs import CHAT, data_lines, gateway, metric_value
-from tests.harness.worker_procs import start_workers, wait_idle, wait_until
+from bench.harness.gateway_procs import CHAT, data_lines, gateway, metric_value
+from bench.harness.worker_procs import start_workers, wait_idle, wait_until
 
 
 def test_client_disconnect_frees_the_blocks(system):

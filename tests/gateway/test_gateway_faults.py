@@ -7,8 +7,8 @@ import json
 
 import httpx
 
-from tests.harness.gateway_procs import CHAT, data_lines, free_port, gateway, metric_value
-from tests.harness.worker_procs import start_workers, wait_idle
+from bench.harness.gateway_procs import CHAT, data_lines, gateway, metric_value
+from bench.harness.worker_procs import free_port, start_workers, wait_idle
 
 
 def test_a_decode_worker_failing_before_the_first_token_is_retried_on_another(system, smollm2_dir, tmp_path):

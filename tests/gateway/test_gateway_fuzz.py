@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from tests.harness.gateway_procs import gateway
-from tests.harness.worker_procs import start_workers, wait_idle
+from bench.harness.gateway_procs import gateway
+from bench.harness.worker_procs import start_workers, wait_idle
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.harness.gateway_procs import gateway
+from bench.harness.gateway_procs import gateway
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import grpc
 import httpx
 import pytest
 
+from bench.harness.gateway_procs import CHAT, data_lines, gateway, raw_post
+from bench.harness.worker_procs import REPO, free_port, start_workers, wait_idle, wait_until
 from rpc import pdserve_pb2 as pb
-from tests.harness.gateway_procs import CHAT, data_lines, free_port, gateway, raw_post
-from tests.harness.worker_procs import REPO, start_workers, wait_idle, wait_until
 
 
 @pytest.mark.parametrize("body,status,param", [

@@ -10,9 +10,9 @@ import socket
 import httpx
 import pytest
 
+from bench.harness.gateway_procs import gateway
+from bench.harness.worker_procs import wait_until
 from gateway.per_ip_cap import PerIpCap
-from tests.harness.gateway_procs import gateway
-from tests.harness.worker_procs import wait_until
 
 CAP = 3
 OTHER_IP = "127.0.0.2"  # loopback too (127.0.0.0/8): a second client address on one host

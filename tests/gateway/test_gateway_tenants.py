@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.harness.gateway_procs import CHAT, gateway, raw_post
+from bench.harness.gateway_procs import CHAT, gateway, raw_post
 
 
 def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant_gateway):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness.worker_procs import wait_idle
+from bench.harness.worker_procs import wait_idle
 
 
 def _moved(decode) -> int:
@@ -75,8 +75,8 @@ def test_a_failed_choice_answers_an_error_and_gives_back_the_tenants_slot(smollm
 
     import httpx
 
-    from tests.harness.gateway_procs import gateway
-    from tests.harness.worker_procs import start_workers, wait_until
+    from bench.harness.gateway_procs import gateway
+    from bench.harness.worker_procs import start_workers, wait_until
 
     (tmp_path / "tenants.json").write_text(json.dumps({"tenants": [
         {"name": "a", "api_keys": ["key-a"], "max_concurrent": 2}]}))

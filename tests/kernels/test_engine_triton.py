@@ -16,13 +16,13 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels (and so triton) are f
 import pytest
 import torch
 
+from bench.harness.tiny_models import VOCAB, write_tiny_checkpoint
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampler import Sampler, SamplingMetadata
 from kernels import reference as ref
 from kernels import triton_ops
-from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -141,7 +141,7 @@ def test_the_engine_gives_the_same_greedy_tokens_through_the_native_op_set(tmp_p
     from common.sampling_params import SamplingParams
     from engine.config import CacheConfig, SchedulerConfig
     from engine.llm_engine import LLMEngine
-    from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
+    from bench.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa", seed=3)
     rng = random.Random(5)

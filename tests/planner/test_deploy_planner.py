@@ -11,8 +11,8 @@ import threading
 
 import httpx
 
-from tests.harness.deploy_procs import deployment_status, serving, wait_for
-from tests.harness.gateway_procs import free_port
+from bench.harness.deploy_procs import deployment_status, serving, wait_for
+from bench.harness.worker_procs import free_port
 
 
 def _closed_loop(url: str, stop: threading.Event, body: dict, results: list[int]) -> None:

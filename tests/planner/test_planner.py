@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import REPO
 from deploy.planner.online import Counters, Planner, parse_metrics, sample_lengths
 from deploy.planner.profile import Profile, measure
 from deploy.planner.sim_worker import StepShape
 from deploy.planner.simulator import Pools, goodput, poisson_requests, simulate, summarize
 from deploy.planner.step_cost import NAMES, StepCost, nnls, price
 from deploy.planner.tune import goodput_of, p90_error_interval, splits, tune, validate
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import REPO
 
 PRE = [0.02, 0.001, 1e-7]  # prefill step: a + b*T + c*T*(ctx + T/2)
 DEC = [0.03, 0.002, 1e-6]  # decode step:  a + b*B + c*B*ctx

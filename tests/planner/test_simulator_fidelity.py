@@ -12,12 +12,12 @@ import random
 
 import pytest
 
+from bench.harness.tiny_models import VOCAB, write_tiny_checkpoint
 from deploy.planner.profile import Profile
 from deploy.planner.sim_worker import SIM_TOKEN, SimWorker, StepShape
 from deploy.planner.simulator import Pools, simulate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
-from tests.harness.tiny_models import VOCAB, write_tiny_checkpoint
 
 BLOCK = 8
 BLOCKS = 24  # 192 tokens: three or four requests at once, then preemption

@@ -1,6 +1,6 @@
 """transfer/: KV pushes between real NIXL agents in separate processes, plus unit tests.
 
-The process tests drive workers from tests/harness/transfer_peers.py (spawned, one agent each,
+The process tests drive workers from bench/harness/transfer_peers.py (spawned, one agent each,
 Pipe commands, every wait bounded). Sender pools hold `block_pattern(block_id, salt)` in
 every block, receiver pools start at zero, so a receiver pool can be checked byte for
 byte: a pushed block must hold its source block's pattern, every other block zeros.
@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from tests.harness.fake_nixl import fake_agent
-from tests.harness.transfer_peers import BLOCK_BYTES, MODEL, ChildError, PeerProcess, Recorded, block_pattern
+from bench.harness.transfer_peers import BLOCK_BYTES, MODEL, ChildError, PeerProcess, Recorded, block_pattern
+from tests.transfer.fake_nixl import fake_agent
 from transfer.agent import UnknownPeerError
 from transfer.handshake import HandshakeError, TransferInfo, agent_name, check_compatible, parse_agent_name
 from transfer.layout import KVLayout, compatibility_hash, region_indices, region_table

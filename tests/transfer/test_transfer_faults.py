@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from common import envs
-from tests.harness.fake_nixl import fake_agent
+from tests.transfer.fake_nixl import fake_agent
 from transfer.faults import FaultFile, TransferFault
 from transfer.push import KVPusher, PushStatus
 

@@ -16,10 +16,10 @@ import threading
 import httpx
 import pytest
 
+from bench.harness.gateway_procs import admin_gateway, data_lines, gateway, metric_value
+from bench.harness.worker_procs import WorkerProc, start_workers, wait_idle, wait_until
 from deploy.drain import DrainEnd, drain, holdings_of
 from rpc import pdserve_pb2 as pb
-from tests.harness.gateway_procs import admin_gateway, data_lines, gateway, metric_value
-from tests.harness.worker_procs import WorkerProc, start_workers, wait_idle, wait_until
 
 STEP_FLOOR_S = 2.0  # each prefill step: a ~600-token prompt is two steps, so >= 4 s of remote prefill
 STORY = "Tell me a long story about the sea and its ships. " * 50  # ~600 tokens

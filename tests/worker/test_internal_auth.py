@@ -9,11 +9,11 @@ import time
 import grpc
 import pytest
 
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import Stubs, start_workers
 from rpc import auth, proof
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import Stubs, start_workers
 
 SECRET = "internal-secret-for-the-test"
 

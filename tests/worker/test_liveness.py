@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import wait_until
 from common import envs
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine, StepStats
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import wait_until
 from worker.liveness import Liveness
 from worker.loop import EngineLoop
 

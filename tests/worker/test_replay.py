@@ -20,11 +20,11 @@ import httpx
 import jsonschema
 import pytest
 
+from bench.harness.gateway_procs import admin_gateway, data_lines, gateway, metric_value
+from bench.harness.worker_procs import start_workers, wait_idle
 from deploy.drain import DrainEnd, drain, holdings_of
 from deploy.observe.trace import timelines
 from rpc import pdserve_pb2 as pb
-from tests.harness.gateway_procs import admin_gateway, data_lines, gateway, metric_value
-from tests.harness.worker_procs import start_workers, wait_idle
 
 ADMIN_TOKEN = "admin-token-for-the-replay-test"
 ARGS = ["--dtype", "float32", "--kv-blocks", "256"]

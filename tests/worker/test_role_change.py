@@ -20,13 +20,13 @@ import grpc
 import httpx
 import pytest
 
+from bench.harness.gateway_procs import gateway, metric_value
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import REPO, WorkerProc, start_workers, wait_idle
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
-from tests.harness.gateway_procs import gateway, metric_value
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import REPO, WorkerProc, start_workers, wait_idle
 
 ARGS = ["--dtype", "float32", "--kv-blocks", "256"]
 PROMPT = "The capital of France is"

@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import REPO
 from deploy.planner.profile import Profile
 from deploy.planner.sim_worker import StepShape
 from deploy.planner.simulator import Pools, simulate
@@ -26,8 +28,6 @@ from deploy.planner.step_fit import (LEVEL_WINDOW_S, SATURATED_ROWS, LoggedStep,
 from deploy.planner.tune import validate
 from engine import LLMEngine, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import REPO
 from worker import step_log
 from worker.loop import EngineLoop
 

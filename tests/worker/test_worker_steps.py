@@ -1,6 +1,6 @@
 """The workers' step-by-step bookkeeping, in this process: a DecodeWorker or PrefillWorker
 driven one engine step at a time (no loop thread, no gRPC server) over a tiny float64 model,
-with a transfer agent that only keeps books (decode) or the fake NIXL of tests/harness/fake_nixl.py
+with a transfer agent that only keeps books (decode) or the fake NIXL of tests/transfer/fake_nixl.py
 (prefill), so a test decides exactly when a Prefill is sent, a write completes or a push
 fails. What these pin down: when a Prefill goes out within a step, that NIXL progresses
 during steps, and that no failure between reservation and reply strands a request or a
@@ -21,15 +21,15 @@ from prometheus_client import REGISTRY
 
 import prefill.worker as prefill_worker
 import worker.destination as destination
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import wait_until
 from common.sampling_params import SamplingParams
 from decode.remote_prefill import Phase
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
-from tests.harness.fake_nixl import fake_agent
-from tests.harness.tiny_models import write_tiny_checkpoint
-from tests.harness.worker_procs import wait_until
+from tests.transfer.fake_nixl import fake_agent
 from transfer.messages import Notification, NotifKind
 
 BLOCK = 16

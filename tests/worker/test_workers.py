@@ -1,6 +1,6 @@
 """The prefill and decode workers as real processes: gRPC, NIXL, a tiny random model.
 
-One module-wide set of workers (tests/harness/worker_procs.py), started together so their
+One module-wide set of workers (bench/harness/worker_procs.py), started together so their
 start-ups overlap: the prefill worker P and the decode worker D that most tests use, a
 second prefill worker that the crash test kills, and a small aggregated decode worker (one
 sequence, one waiting slot) for the full-queue test. P, D and the victim run with
@@ -33,14 +33,14 @@ import grpc
 import pytest
 import torch
 
+from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
+from bench.harness.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from tests.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
-from tests.harness.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
 
 BLOCK = 16
 BUDGET = 32  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks

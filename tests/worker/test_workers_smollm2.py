@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
+from bench.harness.worker_procs import start_workers, wait_idle
 from engine import LLM, SamplingParams
 from rpc import pdserve_pb2 as pb
-from tests.harness.worker_procs import start_workers, wait_idle
 
 PROMPTS = ["What is the capital of France?", "Name three colors.", "Write one sentence about the sea."]
 

@@ -1,4 +1,5 @@
-"""The child-process side of tests/transfer/test_transfer.py: one real NIXL worker per OS process.
+"""NIXL peers for the transfer tests (tests/transfer/test_transfer.py): one real NIXL worker
+per OS process, each holding one agent with both a pusher and a receiver.
 
 `worker_main` runs in a process started with the "spawn" context. It creates a
 TransferAgent over a small bf16 pool (zeros, or each block filled with `block_pattern`),
@@ -8,6 +9,12 @@ reply is `("ok", value)` or `("error", exception class name, message)`, so a fai
 the child becomes an assertion in the test instead of a hang.
 
 `PeerProcess` is the parent's handle: every wait on it is bounded.
+
+bandwidth_peers.py beside this runs NIXL peers too, for `python -m bench.transfer`, and
+shares no code with this: its two sides are built for timing (large random pools, only
+a sender or only a receiver, digests instead of whole-pool reads, reference copies),
+these for checking behaviour (small patterned pools, every event recorded with its
+time and, for a complete request, its blocks' bytes, the NIXL calls traced).
 """
 
 from __future__ import annotations

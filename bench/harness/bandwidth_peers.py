@@ -1,4 +1,6 @@
-"""The two processes of `python -m bench.transfer`: a sender pool that pushes, a receiver pool that is written.
+"""The two processes of `python -m bench.transfer`: a sender pool that pushes, a receiver
+pool that is written. (The transfer tests' peers are transfer_peers.py beside this:
+small pools checked byte for byte, every event recorded, no timing.)
 
 Each runs a command loop on a Pipe from the coordinator: a command is `(name, kwargs)`,
 the reply `("ok", value)` or `("error", traceback text)`, so a failure inside a worker

@@ -1,7 +1,8 @@
-"""Helpers of the deployment tests (tests/test_deploy*.py): `pdserve serve` and `ray start`
-as processes of their own, waited on through their logs, and checks that nothing they
-started outlives them. Importing this disables Ray's token auth for every Ray process
-those tests start (their own loopback sandbox; the security tests turn it back on)."""
+"""Helpers of the deployment tests (tests/deploy/, tests/planner/test_deploy_planner.py):
+`pdserve serve` and `ray start` as processes of their own, waited on through their logs,
+and checks that nothing they started outlives them. Importing this disables Ray's token
+auth for every Ray process those tests start (their own loopback sandbox; the security
+tests turn it back on)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from tests.harness.gateway_procs import free_port
-from tests.harness.worker_procs import REPO
+from bench.harness.worker_procs import REPO, free_port
 
 os.environ["RAY_AUTH_MODE"] = "disabled"  # every Ray process these tests start inherits it
 BIN = Path(sys.executable).parent

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from tests.harness.transfer_peers import MODEL
+from bench.harness.transfer_peers import MODEL
 from transfer.agent import Peer, TransferAgent
 from transfer.layout import KVLayout
 

@@ -1,6 +1,6 @@
-"""A real gateway process for tests (`python -m gateway` over given workers), and the
-helpers the gateway tests share; the shared deployment (`system`: one prefill and one
-decode worker of SmolLM2 in float32 behind a gateway) is a session fixture in conftest."""
+"""A real gateway process (`python -m gateway` over given workers), and the helpers the
+gateway tests share; the tests' shared deployment (`system`: one prefill and one decode
+worker of SmolLM2 in float32 behind a gateway) is a session fixture in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 
 import httpx
 
+from bench.harness.worker_procs import REPO, free_port
 from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S
-from tests.harness.worker_procs import REPO
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -23,12 +23,6 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # The flood's client expires idle connections before the gateway closes them, as any client
 # of it should: one reused just as the gateway's keep-alive ends gets a ReadError.
 FLOOD_LIMITS = httpx.Limits(max_connections=100, keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -1,10 +1,11 @@
-"""Real `python -m prefill` / `python -m decode` processes for tests/worker/test_workers.py.
+"""Real `python -m prefill` / `python -m decode` processes, for the tests and the benchmarks.
 
 `start_workers` launches worker processes on OS-chosen loopback ports (`--port 0`; the
-bound port is read back from the "ready on HOST:PORT" line on stderr), all at once so
-their start-ups overlap, and waits a bounded time for each to be ready. A worker that
-exits or stays silent fails the test with the tail of its log. Every wait here is
-bounded, and `WorkerProc.stop` (terminate, then kill) always ends the process.
+bound port is read back from the "ready on HOST:PORT" line of the log), all at once so
+their start-ups overlap, each pinned to a core if its spec names one, and waits a bounded
+time for each to be ready. A worker that exits or stays silent raises with the tail of
+its log, after every worker started with it is stopped. Every wait here is bounded, and
+`WorkerProc.stop` (terminate, then kill) always ends the process.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import itertools
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -28,6 +32,22 @@ from rpc import pdserve_pb2_grpc as pb_grpc
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 60.0
 _READY = re.compile(r" ready on (\S+):(\d+)$", re.MULTILINE)
+
+
+def free_port() -> int:
+    """A loopback port free now, for a process that must be told its port up front."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerSpec(NamedTuple):
+    """One worker to start: its role, extra arguments and environment, and its core."""
+
+    role: str  # "prefill" or "decode"
+    args: Sequence[str] = ()
+    env: Mapping[str, str] = {}
+    core: int | None = None  # pinned there with taskset; None: any core
 
 
 class Stubs:
@@ -91,20 +111,21 @@ class WorkerProc:
                 self.proc.wait(10)
 
 
-_WORKER_IDS = itertools.count()  # every worker of a test session in a slot of its own
+_WORKER_IDS = itertools.count()  # every worker of a process in a slot of its own
 
-def _launch(role: str, model: Path, log_dir: Path, name: str, args: list[str], env: dict[str, str]) -> WorkerProc:
-    log_path = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", role, "--model", str(model), "--port", "0", "--threads", "1", *args]
-    if "--worker-id" not in args:
+def _launch(spec: WorkerSpec, model: str, log_path: Path) -> WorkerProc:
+    cmd = [sys.executable, "-m", spec.role, "--model", model, "--port", "0", "--threads", "1", *spec.args]
+    if "--worker-id" not in spec.args:
         # Its own slot: a worker with another's id is that worker's newer incarnation to the
         # prefill workers it meets (which then refuse the older one), as in a deployment.
         cmd += ["--worker-id", str(next(_WORKER_IDS))]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **env}
+    if spec.core is not None:
+        cmd = ["taskset", "-c", str(spec.core), *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **spec.env}
     with open(log_path, "wb") as log:  # a file, not a pipe: a chatty worker never blocks on it
-        proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=log,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return WorkerProc(role, proc, log_path)
+    return WorkerProc(spec.role, proc, log_path)
 
 
 def _wait_ready(workers: list[WorkerProc], timeout_s: float) -> None:
@@ -117,23 +138,27 @@ def _wait_ready(workers: list[WorkerProc], timeout_s: float) -> None:
                 w.address = f"{m.group(1)}:{m.group(2)}"
                 pending.remove(w)
             elif not w.alive():
-                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode} before it was ready:\n"
-                                   f"{w.log_tail()}")
+                raise RuntimeError(f"{w.role} worker exited with {w.proc.returncode} before it was ready "
+                                   f"(log {w.log_path}):\n{w.log_tail()}")
         if pending and time.monotonic() > deadline:
-            raise RuntimeError(f"{pending[0].role} worker not ready within {timeout_s}s:\n{pending[0].log_tail()}")
+            w = pending[0]
+            raise RuntimeError(f"{w.role} worker not ready within {timeout_s}s (log {w.log_path}):\n{w.log_tail()}")
         time.sleep(0.05)
 
 
-def start_workers(specs: list[tuple[str, list[str], dict[str, str]]], model: Path, log_dir: Path,
+def start_workers(specs: Sequence[WorkerSpec | tuple], model: str | Path, log_dir: str | Path,
                   timeout_s: float = READY_TIMEOUT_S) -> list[WorkerProc]:
-    """Start one worker per (role, extra args, extra env) and wait until all are ready.
+    """Start one worker per spec (a WorkerSpec, or a tuple of its fields: role, extra args,
+    extra env[, core]) and wait until all are ready; their logs go to `log_dir`.
 
     On any failure every worker started here is stopped before the error propagates.
     """
     workers: list[WorkerProc] = []
     try:
-        for i, (role, args, env) in enumerate(specs):
-            workers.append(_launch(role, model, log_dir, f"{role}-{i}-{time.monotonic_ns()}", args, env))
+        for i, spec in enumerate(specs):
+            spec = WorkerSpec(*spec)
+            log_path = Path(log_dir) / f"{spec.role}-{i}-{time.monotonic_ns()}.log"
+            workers.append(_launch(spec, str(model), log_path))
         _wait_ready(workers, timeout_s)
     except BaseException:
         for w in workers:

@@ -1,0 +1,17 @@
+"""Real processes of this project, started and stopped for the tests and the benchmarks.
+
+One place for both, so a benchmark starts a worker the way the tests do (and bench never
+imports tests/):
+
+- worker_procs: `python -m prefill` / `python -m decode` on OS-chosen ports, optionally
+  pinned to a core, waited on until ready; `free_port`, `wait_idle`, `wait_until`.
+- gateway_procs: a `python -m gateway` over given workers (and one with an admin socket).
+- deploy_procs: `pdserve serve` and `ray start` as processes, and the check that nothing
+  they started outlives them (needs psutil, a dev dependency).
+- transfer_peers: one real NIXL agent per spawned process, driven command by command,
+  for the transfer tests.
+- bandwidth_peers: a sender and a receiver pool for `python -m bench.transfer`.
+- tiny_models: tiny random-weight Llama-family checkpoints.
+
+Every wait here is bounded, and every process started here is stopped with its helper.
+"""
