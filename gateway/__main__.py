@@ -36,7 +36,8 @@ def main() -> None:
     ap.add_argument("--prefill", action="append", default=[], help="prefill worker address (repeatable)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--tenants", help="JSON file of tenants and their API keys (default: open, no keys)")
+    ap.add_argument("--tenants", help="JSON file of tenants and their API keys (default: open, no keys: one "
+                                      "tenant that may run as many sequences as the decode pool holds)")
     ap.add_argument("--health-interval", type=float, default=2.0, help="seconds between deep health rounds")
     ap.add_argument("--max-ttft", type=float, default=60.0,
                     help="the TTFT bound (seconds): answer 429 at once when the predicted time to first token "

@@ -68,6 +68,7 @@ class GatewayConfig:
 def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     router = Router(config.decode, config.prefill)
+    config.tenants.follow_pool(router.decode_pool_size)  # tenants with no max_concurrent of their own
     backend = Backend(config.decode, config.prefill)
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)

@@ -94,7 +94,8 @@ class Readiness:
         for w in router.decode + router.prefill:
             s = stats.get(w.address)
             if s is not None and s.block_size:
-                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens, asked_at=asked)
+                w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens, asked_at=asked,
+                          max_sequences=s.max_num_seqs + s.max_waiting)
         # admission's prior: the prompt tokens per second the prefilling pool measured itself at
         prefilling = router.prefill or router.decode
         self.admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling

@@ -9,6 +9,7 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.block_hash import block_hashes
 
@@ -30,6 +31,7 @@ class WorkerState:
     kv_claimed_at_stats: int = 0  # ... both when the last Stats came: its free count had them taken already
     waiting_tokens: int = 0  # queued prompt tokens at the last Stats
     longest_step_s: float = 0.0  # the longest engine step it measured (its deep health's answer)
+    max_sequences: int | None = None  # running plus queued requests it holds at most (None: not reported)
 
     def end_claim(self, tokens: int, freed: bool) -> None:
         """A request's claim ends: its blocks are room again at once when it ended on the
@@ -39,10 +41,12 @@ class WorkerState:
             self.kv_ending.append((time.monotonic(), tokens))
 
     def observe(self, free_blocks: int, total_blocks: int, block_size: int, waiting_tokens: int,
-                asked_at: float = math.inf) -> None:
+                asked_at: float = math.inf, max_sequences: int = 0) -> None:
         """A fresh Stats, asked for at `asked_at`: its free blocks (cached ones included: they
         are evicted on demand) already count the requests claimed before it, and the ending
-        ones it was asked for after are its business now."""
+        ones it was asked for after are its business now. `max_sequences`: its max_num_seqs +
+        max_waiting (0: a worker that does not report them)."""
+        self.max_sequences = max_sequences or None
         self.kv_free_tokens = free_blocks * block_size - waiting_tokens
         self.kv_total_tokens = total_blocks * block_size
         self.kv_ending = [(t, n) for t, n in self.kv_ending if t >= asked_at]
@@ -65,6 +69,14 @@ class WorkerState:
         """Room in the KV cache for this prompt now (True while unknown)."""
         room = self.kv_room_tokens
         return room is None or room >= prompt_tokens
+
+
+class PoolSize(NamedTuple):
+    """What the decode pool holds at most: running plus queued sequences, summed over the
+    workers that reported theirs."""
+
+    sequences: int
+    workers: int
 
 
 class NoWorker(LookupError):
@@ -101,6 +113,15 @@ class Router:
             return True
         live = [w for w in self.decode if w.healthy] or self.decode
         return any(w.fits(prompt_tokens) for w in live)
+
+    def decode_pool_size(self) -> PoolSize | None:
+        """What the healthy decode workers hold at most (max_num_seqs + max_waiting each, as
+        their last Stats said; every worker's when none is healthy); None until one reported.
+        Past it the workers refuse requests themselves (a full queue), so a limit at this size
+        never refuses what the pool could have taken."""
+        live = [w for w in self.decode if w.healthy] or self.decode
+        sizes = [w.max_sequences for w in live if w.max_sequences is not None]
+        return PoolSize(sum(sizes), len(sizes)) if sizes else None
 
     def slowest_decode_step_s(self) -> float:
         """The longest step any decode worker measured (0.0 while none said)."""

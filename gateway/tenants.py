@@ -2,22 +2,40 @@
 
 With no keys configured the gateway runs open (one anonymous tenant, local use). Keys are
 compared in constant time and never logged; a tenant at its limit gets 429 at once.
+
+A tenant with no `max_concurrent` of its own (the anonymous one, and a tenants-file entry
+that sets none) may run as many sequences as the decode pool holds: the sum over its
+healthy workers of max_num_seqs + max_waiting, from their Stats (`Router.decode_pool_size`).
+A fixed number would be a guess about a pool the gateway can measure: too low for a large
+pool (refusals while the workers have room), and no protection on a small one, whose
+workers refuse past their own queue bound anyway. So what bounds such a tenant is the workers' queues and
+admission's TTFT prediction (gateway/admission.py). Until a decode worker has reported,
+the limit is `STARTUP_SEQUENCES`. A tenant that must leave room for others sets
+`max_concurrent`.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.errors import APIError
+from gateway.router import PoolSize
+
+# The concurrency of a tenant with no max_concurrent before any decode worker has reported
+# its size (the seconds after start-up): one worker's max_num_seqs at its default.
+STARTUP_SEQUENCES = 64
 
 
 @dataclass
 class Tenant:
     name: str
-    max_concurrent: int = 64
+    # Sequences at once (each choice of an n > 1 request is one); None: what the decode pool
+    # holds (`pool_size`, see the module's docstring).
+    max_concurrent: int | None = None
     max_queued_tokens: int = 1 << 20  # prompt + max_tokens of this tenant's requests in flight
     priority: int = 0  # lower runs first on the workers
     # False (default): this tenant's prompts hit only its own prefix cache entries, so no
@@ -25,16 +43,30 @@ class Tenant:
     share_prefix_cache: bool = False
     in_flight: int = 0
     queued_tokens: int = 0
+    # The decode pool's size now (Tenants.follow_pool; None: not followed); not a tenants-file key.
+    pool_size: Callable[[], PoolSize | None] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def concurrency_limit(self) -> tuple[int, str]:
+        """The most sequences it may run at once, and where that number comes from."""
+        if self.max_concurrent is not None:
+            return self.max_concurrent, "its max_concurrent in the tenants file"
+        size = self.pool_size() if self.pool_size is not None else None
+        if size is None:
+            return STARTUP_SEQUENCES, "the start-up limit, until a decode worker reports its size"
+        return size.sequences, (f"what the decode pool holds: max_num_seqs + max_waiting of its "
+                                f"{size.workers} decode worker{'s' if size.workers != 1 else ''}")
 
     def check_concurrency(self, choices: int = 1) -> None:
         """429 when `choices` more sequences would pass the limit (each choice of an n > 1
-        request is a sequence on a decode worker); 400 when they never could."""
-        if choices > self.max_concurrent:
-            raise APIError(400, f"n={choices}: tenant {self.name} may run {self.max_concurrent} sequences at once "
-                                "(each choice is one)", "n", code="tenant_concurrency_limit")
-        if self.in_flight + choices > self.max_concurrent:
-            raise APIError(429, f"tenant {self.name}: {self.max_concurrent} concurrent sequences (choices of its "
-                                "requests) is the limit", code="tenant_concurrency_limit",
+        request is a sequence on a decode worker); 400 when they never could (at the limit
+        of now). Both say the limit and where it comes from."""
+        limit, source = self.concurrency_limit()
+        if choices > limit:
+            raise APIError(400, f"n={choices}: tenant {self.name} may run {limit} sequences at once ({source}; "
+                                "each choice is one)", "n", code="tenant_concurrency_limit")
+        if self.in_flight + choices > limit:
+            raise APIError(429, f"tenant {self.name}: {limit} concurrent sequences (choices of its requests) is the "
+                                f"limit ({source})", code="tenant_concurrency_limit",
                            headers={"Retry-After": "1"}, reason="tenant_concurrency")
 
     def admit(self, tokens: int, choices: int = 1) -> None:
@@ -70,7 +102,7 @@ class Tenants:
     @classmethod
     def from_file(cls, path: str | Path) -> Tenants:
         """{"tenants": [{"name": ..., "api_keys": [...], "max_concurrent": .., "max_queued_tokens": ..,
-        "priority": ..}]}"""
+        "priority": ..}]}; an entry without max_concurrent runs what the decode pool holds."""
         data = json.loads(Path(path).read_text())
         by_key: dict[str, Tenant] = {}
         for entry in data.get("tenants", []):
@@ -87,6 +119,11 @@ class Tenants:
     @property
     def open(self) -> bool:
         return not self.by_key
+
+    def follow_pool(self, pool_size: Callable[[], PoolSize | None]) -> None:
+        """Where tenants with no max_concurrent read the decode pool's size (the router's)."""
+        for tenant in [self.anonymous, *self.by_key.values()]:
+            tenant.pool_size = pool_size
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:

@@ -41,8 +41,12 @@ class WorkerService(pb_grpc.WorkerServicer):
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
         # Plain reads of counters the loop thread updates: each is consistent on its own.
         w = self.worker
-        return stats_to_pb(w.name, w.engine.stats(), w.last_step_seconds, w.kv_blocks_transferred,
-                           w.liveness.prefill_tokens_per_s, w.num_probes)
+        stats = stats_to_pb(w.name, w.engine.stats(), w.last_step_seconds, w.kv_blocks_transferred,
+                            w.liveness.prefill_tokens_per_s, w.num_probes)
+        sched = w.engine.config.scheduler  # what it holds at most: the gateway sizes open tenants by it
+        stats.max_num_seqs = sched.max_num_seqs
+        stats.max_waiting = sched.max_waiting or 0  # a worker process always bounds it (--max-waiting)
+        return stats
 
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsResponse:
         name = self.worker.name

@@ -1,16 +1,24 @@
 """API keys and tenants: refused before the body is read, limits per tenant given back on
-every path, prefix caches kept apart."""
+every path, prefix caches kept apart; a tenant with no max_concurrent of its own (the open
+gateway's) runs what the decode pool holds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shutil
 import socket
 import time
 
 import httpx
 import pytest
 
-from bench.harness.gateway_procs import CHAT, gateway, raw_post
+from bench.harness.gateway_procs import CHAT, gateway, metric_value, raw_post
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import start_workers, wait_idle, wait_until
+from gateway.errors import APIError
+from gateway.router import Router
+from gateway.tenants import STARTUP_SEQUENCES, Tenant, Tenants
 
 
 def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant_gateway):
@@ -123,8 +131,6 @@ def test_the_workers_know_a_request_by_its_tenant_whatever_salt_its_client_sends
 
 
 def test_no_client_salt_or_tenant_name_spells_another_tenants_salt():
-    from gateway.tenants import Tenant
-
     isolated, shared = Tenant("a"), Tenant("c", share_prefix_cache=True)
     salts = {
         isolated.cache_salt(None), isolated.cache_salt("x"), Tenant("a/x").cache_salt(None),
@@ -171,6 +177,8 @@ def test_api_keys_and_tenant_isolation(tenant_gateway):
         again = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30,
                            headers={"authorization": "Bearer key-a"})
         assert again.status_code == 429 and again.headers["retry-after"] == "1"
+        assert "1 concurrent sequences" in again.json()["error"]["message"]
+        assert "max_concurrent in the tenants file" in again.json()["error"]["message"], again.text
         refused = [line for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines()
                    if line.startswith('pdserve_rejections_total{reason="tenant_concurrency"}')]
         assert refused and float(refused[0].split()[-1]) >= 1, refused
@@ -179,3 +187,157 @@ def test_api_keys_and_tenant_isolation(tenant_gateway):
         assert other.status_code == 200  # tenant b is not held back by a
     after = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60, headers={"authorization": "Bearer key-a"})
     assert after.status_code == 200  # a's slot came back when its stream closed
+
+
+def test_a_tenant_without_max_concurrent_runs_what_the_healthy_decode_pool_holds(tmp_path):
+    """The open tenant, and a tenants-file entry with no max_concurrent, may run the pool's
+    max_num_seqs + max_waiting summed over the healthy decode workers (a fixed start-up
+    limit before any reported); an entry's own max_concurrent stays what it says. Past the
+    limit a 429 names the number and where it comes from."""
+    router = Router(["d0", "d1", "d2"], ["p0"])
+    (tmp_path / "tenants.json").write_text(json.dumps({"tenants": [
+        {"name": "capped", "api_keys": ["k1"], "max_concurrent": 3},
+        {"name": "pooled", "api_keys": ["k2"]},
+    ]}))
+    open_tenants, keyed = Tenants(), Tenants.from_file(tmp_path / "tenants.json")
+    for tenants in (open_tenants, keyed):
+        tenants.follow_pool(router.decode_pool_size)
+    anonymous, capped, pooled = open_tenants.anonymous, keyed.by_key["k1"], keyed.by_key["k2"]
+    assert anonymous.concurrency_limit()[0] == pooled.concurrency_limit()[0] == STARTUP_SEQUENCES
+    router.decode[0].observe(100, 100, 16, 0, max_sequences=128 + 8)
+    router.decode[1].observe(100, 100, 16, 0, max_sequences=32 + 4)
+    router.prefill[0].observe(100, 100, 16, 0, max_sequences=1000)  # prefill workers hold no sequence of a tenant
+    assert anonymous.concurrency_limit()[0] == pooled.concurrency_limit()[0] == 136 + 36  # d2 has not reported
+    assert capped.concurrency_limit() == (3, "its max_concurrent in the tenants file")
+
+    anonymous.admit(100, choices=170)
+    anonymous.admit(100, choices=2)  # at the limit: 172
+    with pytest.raises(APIError) as refused:
+        anonymous.admit(100)
+    e = refused.value
+    assert (e.status, e.code, e.reason) == (429, "tenant_concurrency_limit", "tenant_concurrency")
+    assert "172 concurrent sequences" in e.message and "max_num_seqs + max_waiting of its 2 decode workers" in e.message
+    router.decode[1].healthy = False  # failing deep health: routing skips it, and so does the limit
+    assert anonymous.concurrency_limit()[0] == 136
+    anonymous.release(200, choices=172)
+    anonymous.admit(100, choices=136)
+    with pytest.raises(APIError, match="136 concurrent sequences"):
+        anonymous.check_concurrency(1)
+    with pytest.raises(APIError) as never:
+        pooled.check_concurrency(137)  # n above what the pool holds: 400, naming n
+    assert never.value.status == 400 and never.value.param == "n" and "136" in never.value.message
+    capped.admit(10, choices=3)
+    with pytest.raises(APIError, match="3 concurrent sequences"):
+        capped.admit(10)
+
+
+# The pool of the tests below: one decode worker (a tiny random model, prefilling locally)
+# that holds 128 running and 128 queued sequences, behind an open gateway. Every request
+# arrives in the worker's queue, so a burst larger than the queue, all within one engine
+# step, meets the worker's own "queue is full": the bursts here are no larger.
+MAX_NUM_SEQS, MAX_WAITING = 128, 128
+POOL = MAX_NUM_SEQS + MAX_WAITING
+NO_EOS = {"0": -100, "2": -100}  # the end-of-text ids of the tokenizer (SmolLM2's) and of the tiny config
+ONE_MORE = {"model": "smollm2", "prompt": [5, 6, 7, 8], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def roomy_pool(smollm2_dir, tmp_path_factory):
+    """(gateway URL, decode worker): an open gateway over a decode worker with room for
+    more than 64 sequences, ready (it has read the worker's Stats)."""
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-gqa")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway tokenizes; prompts here are ids < 320
+        shutil.copy(smollm2_dir / name, model / name)
+    logs = tmp_path_factory.mktemp("roomy-logs")
+    (decode,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "8192", "--no-transfer",
+                                           "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING)],
+                                {})], model, logs)
+    try:
+        with gateway(model, [decode.address], [], logs / "gateway.log") as url:
+            assert httpx.get(f"{url}/ready", timeout=60).json() == {"ready": True}  # a Stats round: the pool's size
+            yield url, decode
+    finally:
+        decode.stop()
+
+
+def _stream_body(max_tokens: int) -> dict:
+    return {"model": "smollm2", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "stream": True,
+            "logit_bias": NO_EOS, "stream_options": {"include_usage": True}}
+
+
+async def _read_stream(http: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[int, int | None, bool]:
+    """(status, completion tokens of its usage chunk, whether [DONE] came)."""
+    usage, done = None, False
+    async with http.stream("POST", f"{url}/v1/completions", json=_stream_body(max_tokens)) as r:
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and (chunk := json.loads(line[6:])).get("usage"):
+                usage = chunk["usage"]["completion_tokens"]
+        return r.status_code, usage, done
+
+
+def test_the_open_gateway_runs_more_than_64_streams_when_the_decode_pool_holds_them(roomy_pool):
+    """100 streams at once on a decode worker that runs 128: all run together (none refused
+    by a tenant limit of 64) and every one completes."""
+    url, decode = roomy_pool
+    streams, max_tokens = 100, 128
+
+    async def burst() -> tuple[bool, list]:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=2 * POOL)) as http:
+            tasks = [asyncio.create_task(_read_stream(http, url, max_tokens)) for _ in range(streams)]
+
+            def all_running_or_one_ended() -> bool:  # a refused or finished stream ends the wait at once
+                return decode.stats().running_requests == streams or any(t.done() for t in tasks)
+
+            await asyncio.to_thread(wait_until, all_running_or_one_ended, 120, f"{streams} streams on the worker")
+            all_running = not any(t.done() for t in tasks)
+            return all_running, await asyncio.gather(*tasks)
+
+    all_running, answers = asyncio.run(burst())
+    assert answers == [(200, max_tokens, True)] * streams, [a for a in answers if a != (200, max_tokens, True)][:5]
+    assert all_running  # all of them on the worker at once, before any ended
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    assert metric_value(metrics, "pdserve_rejections_total", reason="tenant_concurrency") == 0
+    s = wait_idle(decode)
+    assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
+
+
+def test_past_what_the_decode_pool_holds_the_open_tenant_gets_a_429_naming_it(roomy_pool):
+    """With the pool full (128 running, then 128 queued on its one worker), one more stream
+    gets a 429 from the gateway that says the limit and where it comes from; once they end,
+    the tenant's slots are back."""
+    url, decode = roomy_pool
+
+    def worker_holds(running: int, waiting: int) -> None:  # a bound on the wait, not a speed
+        def holds() -> bool:
+            s = decode.stats()
+            return (s.running_requests, s.waiting_requests) == (running, waiting)
+
+        wait_until(holds, 120, f"{running} running and {waiting} queued on the worker")
+
+    async def full_then_one_more() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=2 * POOL)) as http:
+            held = []
+            try:
+                # two waves, each no larger than the queue: the running sequences, then the queued ones
+                waves = ((MAX_NUM_SEQS, MAX_NUM_SEQS, 0), (MAX_WAITING, MAX_NUM_SEQS, MAX_WAITING))
+                for wave, running, waiting in waves:
+                    held += [asyncio.create_task(_read_stream(http, url, 500)) for _ in range(wave)]
+                    await asyncio.to_thread(worker_holds, running, waiting)
+                return await http.post(f"{url}/v1/completions", json=ONE_MORE)
+            finally:
+                for t in held:
+                    t.cancel()
+                await asyncio.gather(*held, return_exceptions=True)
+
+    refused = asyncio.run(full_then_one_more())
+    assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "tenant_concurrency_limit", error
+    assert f"tenant anonymous: {POOL} concurrent sequences" in error["message"], error
+    assert "max_num_seqs + max_waiting of its 1 decode worker" in error["message"], error
+    s = wait_idle(decode, timeout_s=60)
+    assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
+    served = httpx.post(f"{url}/v1/completions", timeout=60, json=ONE_MORE)
+    assert served.status_code == 200, served.text
