@@ -1,15 +1,26 @@
-"""gRPC face of the decode worker: Generate streams and SetPeers, plus TransferInfo / Health / Stats."""
+"""gRPC face of the decode worker: Streams (a gateway's requests, all on one call),
+Generate (one request on its own call) and SetPeers.
+
+Both ways in share one admission (`admit`: parameters, the grammar compile, proving the
+prefill workers, the engine loop's add) and one way out (decode/step_batches.py: each
+step's tokens leave as one message per call). A Streams call costs two threads however
+many requests it carries: its reader (opens and cancels) and its sender (the steps'
+messages); admissions, which may wait for a compile or a peer's proof, run on a small
+shared pool, so no request has a thread of its own.
+"""
 
 from __future__ import annotations
 
 import logging
-import queue
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from common import trace
 from common.grammar_spec import GrammarError
+from decode.step_batches import Outlet, StepBatches
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
@@ -19,34 +30,40 @@ from worker.loop import ShuttingDown
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5
+_POLL_S = 0.5  # how often a call's sender looks whether its call is still active
 PROVE_TIMEOUT_S = 10.0  # a peer's answer to Prove, a gRPC thread's work: a network bound, not an engine one
+ADMISSION_THREADS = 8  # opens admitted at once (each may wait for a compile, a proof, a loop turn)
+
+
+class Refused(Exception):
+    """An open the worker will not serve: the gRPC status code and why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
+        self._admissions = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="admit")
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        calls = self.worker.calls
-        calls.opened()  # until the call ends, however it ends: a drain waits for it
-        if not context.add_callback(calls.closed):
-            calls.closed()
+    def admit(self, request: pb.GenerateRequest, timeout_s: float | None, out: Outlet) -> str:
+        """Admit one request (any thread but the loop's): its id, or Refused."""
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant)
         try:
             params = params_from_pb(request.params)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: {e}") from None
         try:
             # here, not on the loop: others' steps go on; tenants take turns (not cache salts: a
             # client chooses its salt, and would count as many sources)
-            self.worker.engine.compile_grammar(params, request.tenant, context.time_remaining())
+            self.worker.engine.compile_grammar(params, request.tenant, timeout_s)
         except GrammarError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}") from None
         except QueueFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid}: {e}")
-        out: queue.SimpleQueue = queue.SimpleQueue()
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid}: {e}") from None
         prompt = list(request.prompt_token_ids)
         # A hand-off's KV source heads the list: its copy of the KV is asked for first.
         source = request.kv_source if request.kv_source.address and request.output_token_ids else None
@@ -55,36 +72,165 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         if source is not None and source.address not in prefill:
             source = None  # it could not prove itself (or is gone): the prefill workers, or here
         try:
-            self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority,
-                                                     prefill, out, context.time_remaining(),
+            self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority, prefill, out, timeout_s,
                                                      request.cache_salt, list(request.output_token_ids), source),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except RequestRejected as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ShuttingDown as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except TimeoutError:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time") from None
+        return rid
 
-        def cancel() -> None:
-            self.worker.submit(lambda: self.worker.cancel(rid))
+    def cancel(self, request_id: str) -> None:
+        self.worker.submit(lambda: self.worker.cancel(request_id))
 
-        if not context.add_callback(cancel):  # the call ended while the request was being admitted
-            cancel()
+    # -- one request on its own call ------------------------------------------------------
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        calls = self.worker.calls
+        calls.opened()  # until the call ends, however it ends: a drain waits for it
+        if not context.add_callback(calls.closed):
+            calls.closed()
+        batches = StepBatches()
+        try:
+            rid = self.admit(request, context.time_remaining(), batches.outlet(0))
+        except Refused as e:
+            context.abort(e.code, e.message)
+        if not context.add_callback(lambda: self.cancel(rid)):  # it ended while being admitted
+            self.cancel(rid)
         while True:
-            try:
-                msg = out.get(timeout=_POLL_S)
-            except queue.Empty:
+            down = batches.take(_POLL_S)
+            if down is None:
                 if not context.is_active():
                     return
                 continue
-            yield msg
-            if msg.finish_reason != pb.FINISH_NONE:
-                return
+            for msg in _responses(down):
+                yield msg
+                if msg.finish_reason != pb.FINISH_NONE:
+                    return
+
+    # -- a gateway's requests, all on one call ---------------------------------------------
+
+    def Streams(self, request_iterator, context: grpc.ServicerContext):
+        call = _StreamsCall(self, context)
+        threading.Thread(target=call.read, args=(request_iterator,), name="streams-reader", daemon=True).start()
+        try:
+            while True:
+                down = call.batches.take(_POLL_S)
+                if down is not None:
+                    yield down
+                elif call.batches.closed or not context.is_active():
+                    return  # the gateway ends the call (a half-close alone does not: streams may be running)
+        finally:
+            call.end()
 
     def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
         """Answered at once, whatever the loop is doing (decode/worker.py `set_members`)."""
         self.worker.set_members(list(request.workers))
         return pb.SetPeersResponse()
+
+
+class _StreamsCall:
+    """One gateway's Streams call: its streams by number, and the request id each has here.
+    Every stream counts as an open call (a drain waits for it) from its open to its last
+    message; when the call ends, however it ends, its streams still running are cancelled."""
+
+    def __init__(self, service: DecodeService, context: grpc.ServicerContext):
+        self.service, self.context = service, context
+        self.batches = StepBatches()
+        self._lock = threading.Lock()
+        self._ids: dict[int, str | None] = {}  # stream -> its request id here (None while it is admitted)
+        self._cancelled: set[int] = set()  # cancelled while being admitted
+        self._ended = False
+
+    def read(self, request_iterator) -> None:
+        try:
+            for up in request_iterator:
+                for op in up.opens:
+                    self._open(op)
+                for stream in up.cancels:
+                    self._cancel(stream)
+        except grpc.RpcError:
+            pass  # the call broke: its sender sees it inactive, and end() cancels what is left
+        except Exception:
+            log.exception("Streams: reading the gateway's messages failed")
+            self.end()
+
+    def _open(self, op: pb.StreamOpen) -> None:
+        calls = self.service.worker.calls
+        with self._lock:
+            if self._ended or op.stream in self._ids:
+                refused = "the call is ending" if self._ended else f"stream {op.stream} is already open"
+            else:
+                refused = None
+                self._ids[op.stream] = None
+                calls.opened()
+        if refused is not None:
+            self.batches.refuse(op.stream, grpc.StatusCode.INVALID_ARGUMENT.value[0], refused)
+            return
+        self.service._admissions.submit(self._admit, op)
+
+    def _admit(self, op: pb.StreamOpen) -> None:
+        out = self.batches.outlet(op.stream, lambda: self._last(op.stream))
+        try:
+            rid = self.service.admit(op.request, op.timeout_s or None, out)
+        except Refused as e:
+            self._forget(op.stream)
+            self.batches.refuse(op.stream, e.code.value[0], e.message)
+            return
+        except Exception as e:  # a bug must still answer the open
+            log.exception("stream %d: admission failed", op.stream)
+            self._forget(op.stream)
+            self.batches.refuse(op.stream, grpc.StatusCode.INTERNAL.value[0], f"admission failed: {e}")
+            return
+        with self._lock:
+            if op.stream not in self._ids:
+                return  # it ended already (its last message came on the loop before this)
+            self._ids[op.stream] = rid
+            cancel = self._ended or op.stream in self._cancelled
+        if cancel:
+            self.service.cancel(rid)
+
+    def _cancel(self, stream: int) -> None:
+        with self._lock:
+            rid = self._ids.get(stream)
+            if rid is None:
+                if stream in self._ids:
+                    self._cancelled.add(stream)  # being admitted: cancelled once it is
+                return
+        self.service.cancel(rid)
+
+    def _last(self, stream: int) -> None:
+        """Its last message was gathered (loop thread): the stream is over here."""
+        self._forget(stream)
+
+    def _forget(self, stream: int) -> None:
+        with self._lock:
+            if stream not in self._ids:
+                return
+            del self._ids[stream]
+            self._cancelled.discard(stream)
+        self.service.worker.calls.closed()
+
+    def end(self) -> None:
+        """The call is over: what still runs on it has no reader, and is cancelled."""
+        with self._lock:
+            self._ended = True
+            running = [rid for rid in self._ids.values() if rid is not None]
+        for rid in running:
+            self.service.cancel(rid)
+        self.batches.close()
+
+
+def _responses(down: pb.StreamsDown):
+    """One call's StreamsDown as the GenerateResponses of its one stream, in order."""
+    start = 0
+    for count in down.counts:
+        yield pb.GenerateResponse(token_ids=down.token_ids[start:start + count])
+        start += count
+    for event in down.events:
+        yield event.response

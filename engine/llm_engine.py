@@ -30,7 +30,7 @@ from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, RunnerOutput
 from engine.outputs import RequestOutput
 from engine.scheduler import QueueFull, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import KeptKV, Sequence
@@ -303,6 +303,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and execute one iteration; a delta (new tokens) per request that produced one."""
         return self.execute(self.schedule()).outputs
+
+    def stand_in_forward(self, forward: Callable[[SchedulerOutput], RunnerOutput]) -> None:
+        """Run `forward` instead of the model's forward pass and sampling: it gets each step's
+        schedule and returns a token for every chunk whose `sample` is set. For measuring what
+        surrounds the engine without the model's cost (bench/harness/fixed_time_step.py, a
+        GPU step's stand-in); never used to serve."""
+        self.runner.execute = forward
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens and blocks (and reserve blocks for remote prefills)."""

@@ -59,6 +59,9 @@ def main() -> None:
                     help="seconds a request may take in all, first token to last (default: derived per request: "
                          f"{FIRST_TOKEN_ALLOWANCE_S:g} s to its first token plus each token it may generate at 10x "
                          "the slowest step the decode workers measured)")
+    ap.add_argument("--decode-streams", choices=("worker", "request"), default="worker",
+                    help="worker (default): every request on a decode worker streams over one call, one message "
+                         "per engine step; request: one Generate call per request (the older path, to measure against)")
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client may pause while sending its body before a 408")
     ap.add_argument("--header-timeout", type=float, default=10.0,
@@ -99,7 +102,8 @@ def main() -> None:
                            admin_port=admin_port, health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
-                           body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout)
+                           body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
+                           decode_streams=args.decode_streams)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip

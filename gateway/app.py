@@ -63,13 +63,17 @@ class GatewayConfig:
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
     admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
     admin_port: int | None = None  # the loopback socket that alone serves /admin/* (gateway/admin_listener.py)
+    # How requests stream from the decode workers: "worker" (default), all of them on one
+    # Streams call per worker, one message per step; "request", one Generate call each (the
+    # path before Streams, kept to measure against: bench/stream_path.py).
+    decode_streams: str = "worker"
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(config.model_path)
     router = Router(config.decode, config.prefill)
     config.tenants.follow_pool(router.decode_pool_size)  # tenants with no max_concurrent of their own
-    backend = Backend(config.decode, config.prefill)
+    backend = Backend(config.decode, config.prefill, per_request=config.decode_streams == "request")
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
     path = RequestPath(config, router, backend, admission, tokenizer)

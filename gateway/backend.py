@@ -1,4 +1,5 @@
-"""The gateway's gRPC side: Generate streams to decode workers, health and stats of all."""
+"""The gateway's gRPC side: requests' streams on the decode workers (one Streams call per
+worker: gateway/worker_streams.py), health and stats of all."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import grpc
 from grpc import aio
 
+from gateway.worker_streams import StreamCall, WorkerStreams
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -20,8 +22,10 @@ class Backend:
     its channel until its last Generate stream ends (scale-down drains it: the deploy
     controller's drain bound, not this side, says how long that may take)."""
 
-    def __init__(self, decode: list[str], prefill: list[str]):
+    def __init__(self, decode: list[str], prefill: list[str], per_request: bool = False):
+        self.per_request = per_request  # one Generate call per request instead of the worker's Streams call
         self._channels: dict[str, aio.Channel] = {}
+        self._decode_calls: dict[str, WorkerStreams] = {}  # the one Streams call per decode worker
         self._streams: dict[str, int] = {}  # Generate calls open per address
         self._closing: set[asyncio.Task] = set()
         self.decode = decode
@@ -39,6 +43,9 @@ class Backend:
     async def _close(self, address: str) -> None:
         if self._member(address) or self._streams.get(address):
             return  # back in the membership, or a stream opened since: keep it
+        streams = self._decode_calls.pop(address, None)
+        if streams is not None:
+            await streams.close()
         channel = self._channels.pop(address, None)
         if channel is not None:
             await channel.close()
@@ -50,8 +57,16 @@ class Backend:
             ch = self._channels[address] = auth.aio_channel(address)
         return ch
 
-    def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> aio.UnaryStreamCall:
-        call = pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
+    def generate(self, address: str, request: pb.GenerateRequest, timeout: float) -> StreamCall | aio.UnaryStreamCall:
+        """The request's stream on that decode worker's Streams call (opened on first use), or
+        its own Generate call (`per_request`)."""
+        if self.per_request:
+            call = pb_grpc.DecodeWorkerStub(self._channel(address)).Generate(request, timeout=timeout)
+        else:
+            streams = self._decode_calls.get(address)
+            if streams is None:
+                streams = self._decode_calls[address] = WorkerStreams(self._channel(address), address)
+            call = streams.open(request, timeout)
         self._streams[address] = self._streams.get(address, 0) + 1
         call.add_done_callback(lambda _: self._stream_ended(address))
         return call
@@ -100,4 +115,5 @@ class Backend:
         return dict(zip(addresses, results))
 
     async def close(self) -> None:
+        await asyncio.gather(*(s.close() for s in self._decode_calls.values()))
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))

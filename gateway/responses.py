@@ -173,6 +173,7 @@ async def sse(kind: str, rid: str, body, choices: list[AsyncIterator[Event]], mo
     base = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model_name}
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    frames = _TextFrames(kind, base)
     started: set[int] = set()
     usages: list[dict] = []
     if tools is not None:
@@ -194,6 +195,9 @@ async def sse(kind: str, rid: str, body, choices: list[AsyncIterator[Event]], mo
                          "tool_calls": [{"index": i, **call} for i, call in enumerate(ev.calls)]}
                 yield _data({**base, "choices": [{"index": index, "delta": delta, "logprobs": None,
                                                   "finish_reason": "tool_calls"}]})
+                continue
+            if not first and ev.finish_reason is None and not ev.logprobs:
+                yield frames.text(index, ev.text)  # most events: a step's text, nothing else
                 continue
             logprobs = render_logprobs(kind, tokenizer, ev.logprobs)
             if kind == "chat":
@@ -301,6 +305,29 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
 # cut an event's JSON in two on the client. JSON structure is ASCII, so they only ever sit
 # inside strings, where their escapes mean the same.
 _LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+class _TextFrames:
+    """The SSE event of a step's text alone (not a choice's first, not its last, no
+    logprobs): made by putting the text's JSON between two halves rendered once per choice,
+    the same bytes `_data` makes of the whole chunk, at a fraction of the cost per token."""
+
+    _MARK = "\x00"
+
+    def __init__(self, kind: str, base: dict):
+        self._kind, self._base = kind, base
+        self._halves: dict[int, tuple[bytes, bytes]] = {}
+
+    def text(self, index: int, text: str) -> bytes:
+        halves = self._halves.get(index)
+        if halves is None:
+            if self._kind == "chat":
+                choice = {"index": index, "delta": {"content": self._MARK}, "logprobs": None, "finish_reason": None}
+            else:
+                choice = {"index": index, "text": self._MARK, "logprobs": None, "finish_reason": None}
+            head, tail = _data({**self._base, "choices": [choice]}).split(b'"\\u0000"')
+            halves = self._halves[index] = (head, tail)
+        return halves[0] + json.dumps(text, ensure_ascii=False).translate(_LINE_BREAKS).encode() + halves[1]
 
 
 def _data(obj: dict) -> bytes:

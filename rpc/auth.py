@@ -106,7 +106,7 @@ class _AioAuth:
                                      details.wait_for_ready)
 
 
-# Two classes: grpc.aio files an interceptor under the first kind it matches, never both.
+# One class per kind: grpc.aio files an interceptor under the first kind it matches, never two.
 class _AioUnaryAuth(_AioAuth, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(await self._details(details), request)
@@ -115,6 +115,11 @@ class _AioUnaryAuth(_AioAuth, aio.UnaryUnaryClientInterceptor):
 class _AioStreamAuth(_AioAuth, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(await self._details(details), request)
+
+
+class _AioBidiAuth(_AioAuth, aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(await self._details(details), request_iterator)
 
 
 # A peer that goes silent (a host that froze or fell off the network, its TCP connection
@@ -162,4 +167,5 @@ def aio_channel(address: str) -> aio.Channel:
         return aio.insecure_channel(address, options=KEEPALIVE)
     check = proof.AioProof(token, address)
     return aio.insecure_channel(address, options=KEEPALIVE,
-                                interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check)])
+                                interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check),
+                                              _AioBidiAuth(token, check)])

@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=rpc_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Streams = channel.stream_stream(
+                '/pdserve.v1.DecodeWorker/Streams',
+                request_serializer=rpc_dot_pdserve__pb2.StreamsUp.SerializeToString,
+                response_deserializer=rpc_dot_pdserve__pb2.StreamsDown.FromString,
+                _registered_method=True)
         self.SetPeers = channel.unary_unary(
                 '/pdserve.v1.DecodeWorker/SetPeers',
                 request_serializer=rpc_dot_pdserve__pb2.SetPeersRequest.SerializeToString,
@@ -50,6 +55,13 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """One request on its own call (tools, tests); the gateway uses Streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Streams(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,6 +81,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=rpc_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=rpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Streams': grpc.stream_stream_rpc_method_handler(
+                    servicer.Streams,
+                    request_deserializer=rpc_dot_pdserve__pb2.StreamsUp.FromString,
+                    response_serializer=rpc_dot_pdserve__pb2.StreamsDown.SerializeToString,
             ),
             'SetPeers': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPeers,
@@ -103,6 +120,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Generate',
             rpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             rpc_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Streams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.DecodeWorker/Streams',
+            rpc_dot_pdserve__pb2.StreamsUp.SerializeToString,
+            rpc_dot_pdserve__pb2.StreamsDown.FromString,
             options,
             channel_credentials,
             insecure,
