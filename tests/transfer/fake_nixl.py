@@ -1,6 +1,7 @@
-"""A fake nixl_agent for unit tests of the pusher, the receiver and the workers' transfer
-bookkeeping: every write it is asked for stays in flight (state PROC) until the test moves
-it to DONE or ERR, so a test decides when and how each write ends. The real NIXL agents
+"""A fake nixl_agent for unit tests of the pusher and the receiver (test_push_receive.py,
+test_transfer_faults.py) and of the workers' transfer bookkeeping (tests/worker/test_worker_steps.py):
+every write it is asked for stays in flight (state PROC) until the test moves it to DONE
+or ERR, so a test decides when and how each write ends. The real NIXL agents
 are tested in separate processes (tests/transfer/test_transfer.py) and in the real system
 (tests/worker/test_workers.py, tests/e2e/test_chaos.py)."""
 

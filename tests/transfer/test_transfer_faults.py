@@ -1,5 +1,5 @@
 """transfer/faults.py: the injected KV-transfer faults the chaos suite uses, on a KVPusher
-over the fake NIXL of tests/transfer/test_transfer.py (the real system runs them in tests/e2e/test_chaos.py)."""
+over the fake NIXL of tests/transfer/fake_nixl.py (the real system runs them in tests/e2e/test_chaos.py)."""
 
 from __future__ import annotations
 

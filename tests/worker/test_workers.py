@@ -11,12 +11,14 @@ tests cancel "while P holds the request" or outlast the Abort timeout without ti
 Outputs are compared token for token in float64 against the offline engine in this
 process and transformers' greedy generation; every test that sends work ends with a
 leak check on the workers it used (Stats: nothing queued or running, every block free).
+The calls the tests make on a worker (Generate, the leak check, a frozen loop, a line in
+its log) are in grpc_calls.py. Every test here but the last shares the one set of
+workers, so they stay in this one file: a second file would start a second set.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import random
@@ -33,14 +35,16 @@ import grpc
 import pytest
 import torch
 
-from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
-from bench.harness.worker_procs import REPO, WorkerProc, start_workers, wait_idle, wait_until
+from bench.harness.tiny_models import load_hf, write_tiny_checkpoint
+from bench.harness.worker_procs import REPO, WorkerProc, start_workers, wait_until
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import auth
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
+from tests.worker.grpc_calls import (RPC_TIMEOUT_S, assert_idle, generate, generate_held_by, generate_request,
+                                     random_prompt, rpc_error, stalled, wait_logged)
 
 BLOCK = 16
 BUDGET = 32  # --max-num-batched-tokens: prompts longer than this are prefilled in chunks
@@ -49,7 +53,6 @@ KV_BLOCKS = 160
 STALL_FLOOR_S = 1.5  # D's --stall-timeout: a stalled loop is judged wedged this soon
 EOS = 2
 ABORT_BOUND_S = 3.0  # D's --abort-bound: an abort unconfirmed this long sets its blocks aside
-RPC_TIMEOUT_S = 60.0
 
 
 class Workers(NamedTuple):
@@ -59,12 +62,6 @@ class Workers(NamedTuple):
     small: WorkerProc  # decode --no-transfer --max-num-seqs 1 --max-waiting 1
     term: WorkerProc  # prefill, shut down (SIGTERM) by test 3
     stall: dict[str, Path]  # role key ("p", "d", "victim", "term") -> its stall file
-
-
-class Result(NamedTuple):
-    tokens: list[int]
-    finish: int  # pb.FinishReason
-    usage: pb.Usage
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -143,97 +140,15 @@ def _hf_greedy(hf, prompt: list[int], max_new: int) -> list[int]:
     return gen[: gen.index(EOS) + 1] if EOS in gen else gen
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(3, VOCAB) for _ in range(n)]
-
-
-def _request(prompt: list[int], max_tokens: int, prefill: list[str] = (), rid: str = "",
-             **params) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, prefill_workers=list(prefill),
-                              params=pb.SamplingParams(**{"temperature": 0, "max_tokens": max_tokens, **params}))
-
-
-def generate(d: WorkerProc, prompt: list[int], max_tokens: int = 8, prefill: list[str] = (), rid: str = "",
-             **params) -> Result:
-    tokens, final = [], None
-    for msg in d.stub.Generate(_request(prompt, max_tokens, prefill, rid, **params), timeout=RPC_TIMEOUT_S):
-        assert final is None, "a message after the final one"
-        tokens.extend(msg.token_ids)
-        if msg.finish_reason != pb.FINISH_NONE:
-            final = msg
-    assert final is not None, "the stream ended without a final message"
-    assert final.error.code == pb.ERROR_NONE, final.error
-    assert final.usage.completion_tokens == len(tokens)
-    assert final.usage.prompt_tokens == len(prompt)
-    return Result(tokens, final.finish_reason, final.usage)
-
-
-def assert_idle(*ws: WorkerProc) -> None:
-    for w in ws:
-        s = wait_idle(w)
-        assert (s.waiting_requests, s.running_requests, s.free_blocks) == (0, 0, s.total_blocks), \
-            f"{w.role} worker {w.address} did not come back to idle: {s}\n{w.log_tail()}"
-
-
-def rpc_error(start_stream) -> grpc.RpcError:
-    """Start a stream that must fail (it does on its first read); return its error."""
-    with pytest.raises(grpc.RpcError) as info:
-        list(start_stream())
-    return info.value
-
-
-@contextlib.contextmanager
-def stalled(stall_file: Path):
-    """Freeze a worker's engine loop (its PDSERVE_FAULT_STALL_FILE) for the block.
-
-    The loop checks the file once per iteration, and a command that reaches an idle loop
-    runs in the iteration that was already past the check: the short wait lets the loop
-    come round to it before the block sends anything.
-    """
-    stall_file.touch()
-    try:
-        time.sleep(0.1)
-        yield
-    finally:
-        stall_file.unlink(missing_ok=True)
-
-
-def _logged(w: WorkerProc, text: str, timeout_s: float = 10.0) -> None:
-    wait_until(lambda: text in w.log_path.read_text(errors="replace"), timeout_s, f"{text!r} in {w.role}'s log")
-
-
-def _generate_held_by(d: WorkerProc, holder: WorkerProc, prompt: list[int], prefill: list[str], rid: str):
-    """Start generate() on a thread; return once the prefill worker `holder` has taken the
-    prompt, with a function that joins the thread (bounded) and returns its Result."""
-    box: dict[str, object] = {}
-
-    def run():
-        try:
-            box["result"] = generate(d, prompt, prefill=prefill, rid=rid)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    wait_until(lambda: (s := holder.stats()).running_requests + s.waiting_requests > 0, 20,
-               f"{holder.address} to take request {rid}")
-
-    def result() -> Result:
-        t.join(RPC_TIMEOUT_S)
-        assert not t.is_alive(), f"request {rid}: Generate hung"
-        assert "error" not in box, box.get("error")
-        return box["result"]
-
-    return result
 
 
 # ---------------------------------------------------------------------------- 1. outputs
 
 def _mixed_prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    shared = _prompt(rng, 70)  # four full blocks and a bit, shared by the last two
-    return [_prompt(rng, 5), _prompt(rng, 17), _prompt(rng, 3 * BUDGET + 7), _prompt(rng, 200),
-            shared + _prompt(rng, 9), shared + _prompt(rng, 30)]
+    shared = random_prompt(rng, 70)  # four full blocks and a bit, shared by the last two
+    return [random_prompt(rng, 5), random_prompt(rng, 17), random_prompt(rng, 3 * BUDGET + 7), random_prompt(rng, 200),
+            shared + random_prompt(rng, 9), shared + random_prompt(rng, 30)]
 
 
 def test_disaggregated_greedy_equals_aggregated_offline_and_transformers(workers, reference):
@@ -263,7 +178,7 @@ def test_seeded_sampling_and_logprobs_are_the_same_through_a_prefill_worker(work
     """The first token is sampled on P, the rest on D: with a seed (counter-based draws) and
     penalties over prompt + output, both halves must line up with one engine doing it all."""
     d, p = workers.d, workers.p
-    prompt = _prompt(random.Random(10), 75)
+    prompt = random_prompt(random.Random(10), 75)
     knobs = dict(temperature=0.9, top_p=0.95, repetition_penalty=1.3, seed=1234, logprobs=2)
     offline.add_request("seeded", prompt, SamplingParams(max_tokens=12, ignore_eos=True, **knobs))
     want, want_lps = [], []
@@ -272,7 +187,7 @@ def test_seeded_sampling_and_logprobs_are_the_same_through_a_prefill_worker(work
             want += delta.token_ids
             want_lps += delta.logprobs
     for name, prefill in (("disaggregated", [p.address]), ("aggregated", [])):
-        req = _request(prompt, 12, prefill, ignore_eos=True, **knobs)
+        req = generate_request(prompt, 12, prefill, ignore_eos=True, **knobs)
         msgs = list(d.stub.Generate(req, timeout=RPC_TIMEOUT_S))
         tokens = [t for m in msgs for t in m.token_ids]
         lps = [lp for m in msgs for lp in m.logprobs]
@@ -312,20 +227,20 @@ def test_cancellations_anywhere_leak_no_blocks_and_no_requests(workers, referenc
 
     # (a) Cancelled while being admitted: D's loop is stalled, so the call waits in the handler.
     with stalled(workers.stall["d"]):
-        call = d.stub.Generate(_request(_prompt(rng, 40), 400, [p.address], rid="admit-cancel", ignore_eos=True),
-                               timeout=RPC_TIMEOUT_S)
+        call = d.stub.Generate(generate_request(random_prompt(rng, 40), 400, [p.address], rid="admit-cancel",
+                                                ignore_eos=True), timeout=RPC_TIMEOUT_S)
         time.sleep(0.3)  # long enough for the call to reach the handler (if not, less is tested, no failure)
         call.cancel()
     with pytest.raises(grpc.RpcError):
         list(call)
-    _logged(d, "request admit-cancel: cancelled")  # aborted, not left to run 400 tokens
+    wait_logged(d, "request admit-cancel: cancelled")  # aborted, not left to run 400 tokens
 
     # (b) Cancelled after D sent the Prefill, with P's loop frozen before it admits it: D's
     # Abort waits in P behind the admission, and the blocks come back once P confirms.
     with stalled(workers.stall["p"]):
-        call = d.stub.Generate(_request(_prompt(rng, 200), 16, [p.address], rid="prefill-pending-cancel"),
+        call = d.stub.Generate(generate_request(random_prompt(rng, 200), 16, [p.address], rid="prefill-pending-cancel"),
                                timeout=RPC_TIMEOUT_S)
-        _logged(d, "request prefill-pending-cancel: prefill on")
+        wait_logged(d, "request prefill-pending-cancel: prefill on")
         call.cancel()
         time.sleep(0.3)
         assert d.stats().free_blocks < KV_BLOCKS  # unconfirmed: still reserved
@@ -334,7 +249,7 @@ def test_cancellations_anywhere_leak_no_blocks_and_no_requests(workers, referenc
 
     # (c) Cancelled while P prefills and pushes: three long prompts keep P busy for a while;
     # once it has one, its loop is frozen and all three are cancelled.
-    calls = [d.stub.Generate(_request(_prompt(rng, 480), 16, [p.address], rid=f"transfer-cancel-{i}"),
+    calls = [d.stub.Generate(generate_request(random_prompt(rng, 480), 16, [p.address], rid=f"transfer-cancel-{i}"),
                              timeout=RPC_TIMEOUT_S) for i in range(3)]
     wait_until(lambda: (s := p.stats()).running_requests + s.waiting_requests > 0, 20, "P to take a prompt")
     with stalled(workers.stall["p"]):
@@ -350,8 +265,8 @@ def test_cancellations_anywhere_leak_no_blocks_and_no_requests(workers, referenc
     threads = []
     for i in range(14):
         prefill = [p.address] if i % 2 == 0 else []
-        req = _request(_prompt(rng, rng.choice([6, 40, 150, 300])), rng.choice([4, 60]), prefill, rid=f"mix-{i}",
-                       ignore_eos=True)
+        req = generate_request(random_prompt(rng, rng.choice([6, 40, 150, 300])), rng.choice([4, 60]), prefill,
+                               rid=f"mix-{i}", ignore_eos=True)
         kind = i % 3
         args = (req, None, rng.uniform(0.0, 0.2)) if kind == 0 else (req, 3) if kind == 1 else (req, 10**6)
         threads.append(threading.Thread(target=stream_then_cancel, args=args))
@@ -364,7 +279,7 @@ def test_cancellations_anywhere_leak_no_blocks_and_no_requests(workers, referenc
     assert_idle(d, p)
 
     # Whatever was cancelled where, the blocks that came back hold nothing stale.
-    prompt = _prompt(rng, 100)
+    prompt = random_prompt(rng, 100)
     [want] = reference([prompt], 8)
     assert generate(d, prompt, prefill=[p.address]).tokens == want
     assert generate(d, prompt).tokens == want
@@ -375,11 +290,11 @@ def test_blocks_stay_reserved_until_the_prefill_worker_confirms_the_abort(worker
     """P's loop frozen past the Abort's 10 s timeout: D must keep asking, not reuse the blocks."""
     d, p = workers.d, workers.p
     with stalled(workers.stall["p"]):
-        call = d.stub.Generate(_request(_prompt(random.Random(8), 150), 8, [p.address], rid="unconfirmed"),
-                               timeout=RPC_TIMEOUT_S)
-        _logged(d, "request unconfirmed: prefill on")
+        call = d.stub.Generate(generate_request(random_prompt(random.Random(8), 150), 8, [p.address],
+                                                rid="unconfirmed"), timeout=RPC_TIMEOUT_S)
+        wait_logged(d, "request unconfirmed: prefill on")
         call.cancel()
-        _logged(d, f"request unconfirmed: {p.address} did not confirm the abort", timeout_s=20)
+        wait_logged(d, f"request unconfirmed: {p.address} did not confirm the abort", timeout_s=20)
         time.sleep(0.2)
         s = d.stats()
         assert s.free_blocks < s.total_blocks, "blocks P may still write were freed without its confirmation"
@@ -395,20 +310,20 @@ def test_a_prefill_worker_gone_silent_costs_the_abort_bound_not_the_request(work
     without its blocks (prefilled locally, the right tokens) while those blocks stay set
     aside; they are free again once the victim, resumed, confirms the abort."""
     d, victim = workers.d, workers.victim
-    prompt = _prompt(random.Random(12), 450)
+    prompt = random_prompt(random.Random(12), 450)
     [want] = reference([prompt], 8)
-    result = _generate_held_by(d, victim, prompt, [victim.address], "silent-req")
+    result = generate_held_by(d, victim, prompt, [victim.address], "silent-req")
     try:
         with stalled(workers.stall["victim"]):  # mid-prefill, surely
             victim.proc.send_signal(signal.SIGSTOP)
         assert result().tokens == want
-        _logged(d, "request silent-req: prefill on")
-        _logged(d, "blocks set aside as silent-req#unconfirmed")
+        wait_logged(d, "request silent-req: prefill on")
+        wait_logged(d, "blocks set aside as silent-req#unconfirmed")
         s = d.stats()
         assert s.free_blocks < s.total_blocks and s.running_requests == 0, s  # set aside while unconfirmed
     finally:
         victim.proc.send_signal(signal.SIGCONT)
-    _logged(d, "request silent-req: " + victim.address + " answered", timeout_s=30)
+    wait_logged(d, "request silent-req: " + victim.address + " answered", timeout_s=30)
     assert_idle(d, victim)
 
 
@@ -421,23 +336,23 @@ def test_a_silent_prefill_worker_that_leaves_the_deployment_frees_its_blocks(wor
     d, p, victim = workers.d, workers.p, workers.victim
     everyone = [w.address for w in (workers.p, workers.d, workers.victim, workers.small, workers.term)]
     rng = random.Random(13)
-    prompt, other = _prompt(rng, 450), _prompt(rng, 40)
+    prompt, other = random_prompt(rng, 450), random_prompt(rng, 40)
     want, want_other = reference([prompt, other], 8)
     d.stub.SetPeers(pb.SetPeersRequest(workers=everyone), timeout=10)
-    result = _generate_held_by(d, victim, prompt, [victim.address], "left-req")
+    result = generate_held_by(d, victim, prompt, [victim.address], "left-req")
     try:
         with stalled(workers.stall["victim"]):
             victim.proc.send_signal(signal.SIGSTOP)
         assert result().tokens == want
-        _logged(d, "blocks set aside as left-req#unconfirmed")
+        wait_logged(d, "blocks set aside as left-req#unconfirmed")
         s = d.stats()
         assert s.free_blocks < s.total_blocks, s
         d.stub.SetPeers(pb.SetPeersRequest(workers=[a for a in everyone if a != victim.address]), timeout=10)
-        _logged(d, f"request left-req: {victim.address} left the deployment; blocks set aside")
-        _logged(d, f"prefill peer {victim.address} left the deployment: its channel closed")
+        wait_logged(d, f"request left-req: {victim.address} left the deployment; blocks set aside")
+        wait_logged(d, f"prefill peer {victim.address} left the deployment: its channel closed")
         assert_idle(d)  # while the victim is still frozen
         assert generate(d, other, prefill=[victim.address], rid="left-offered").tokens == want_other
-        _logged(d, f"prefill worker {victim.address} left out: not a worker of this deployment now")
+        wait_logged(d, f"prefill worker {victim.address} left out: not a worker of this deployment now")
     finally:
         victim.proc.send_signal(signal.SIGCONT)
         d.stub.SetPeers(pb.SetPeersRequest(workers=everyone), timeout=10)
@@ -447,20 +362,20 @@ def test_a_silent_prefill_worker_that_leaves_the_deployment_frees_its_blocks(wor
 def test_prefill_worker_killed_mid_request_moves_on_and_returns_every_block(workers, reference):
     d, p, victim = workers.d, workers.p, workers.victim
     rng = random.Random(4)
-    prompt = _prompt(rng, 450)
+    prompt = random_prompt(rng, 450)
     [want] = reference([prompt], 8)
-    result = _generate_held_by(d, victim, prompt, [victim.address, p.address], "victim-req")
+    result = generate_held_by(d, victim, prompt, [victim.address, p.address], "victim-req")
     with stalled(workers.stall["victim"]):  # freeze it mid-prefill, so the kill surely lands inside
         victim.kill()
     assert result().tokens == want  # moved to P, or prefilled locally
-    _logged(d, f"request victim-req: prefill on {victim.address} failed")
+    wait_logged(d, f"request victim-req: prefill on {victim.address} failed")
     assert_idle(d, p)
 
     # With only the dead worker in the list, D prefills locally.
-    prompt = _prompt(rng, 120)
+    prompt = random_prompt(rng, 120)
     [want] = reference([prompt], 8)
     assert generate(d, prompt, prefill=[victim.address], rid="dead-list").tokens == want
-    _logged(d, "request dead-list: no prefill worker left")
+    wait_logged(d, "request dead-list: no prefill worker left")
     assert_idle(d, p)
 
 
@@ -471,12 +386,12 @@ def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers
     connections, which D takes as proof that nothing is being written. The request
     completes on the next prefill worker, every block back."""
     d, p, term = workers.d, workers.p, workers.term
-    prompt = _prompt(random.Random(13), 450)
+    prompt = random_prompt(random.Random(13), 450)
     [want] = reference([prompt], 8)
-    result = _generate_held_by(d, term, prompt, [term.address, p.address], "term-req")
+    result = generate_held_by(d, term, prompt, [term.address, p.address], "term-req")
     with stalled(workers.stall["term"]):  # its loop cannot end the request while frozen
         term.proc.send_signal(signal.SIGTERM)
-        _logged(term, "requests still held at SIGTERM: ending them")
+        wait_logged(term, "requests still held at SIGTERM: ending them")
         time.sleep(1.0)
         s = term.stats()  # the server still answers: the loop has not let go of the request yet
         assert s.running_requests + s.waiting_requests == 1, s
@@ -484,7 +399,7 @@ def test_a_prefill_worker_shutting_down_stops_its_loop_before_its_server(workers
     assert term.proc.wait(30) == 0
     log = term.log_path.read_text()
     assert log.index("request term-req: abort asked") < log.index(": stopped"), log[-2000:]
-    _logged(d, f"request term-req: prefill on {term.address} failed")
+    wait_logged(d, f"request term-req: prefill on {term.address} failed")
     assert_idle(d, p)
 
 
@@ -494,8 +409,8 @@ def test_decode_prefix_cache_hits_are_not_transferred(workers, reference):
     d, p = workers.d, workers.p
     rng = random.Random(5)
     k = 4
-    first = _prompt(rng, 6 * BLOCK + 5)
-    second = first[:k * BLOCK] + _prompt(rng, 3 * BLOCK + 2)
+    first = random_prompt(rng, 6 * BLOCK + 5)
+    second = first[:k * BLOCK] + random_prompt(rng, 3 * BLOCK + 2)
     want = reference([first, second], 8)
 
     t0 = d.stats().kv_blocks_transferred
@@ -511,7 +426,7 @@ def test_decode_prefix_cache_hits_are_not_transferred(workers, reference):
     assert b.usage.cached_prompt_tokens == k * BLOCK
 
     # D computed a prompt itself, P never saw it: only the block past D's cache is sent.
-    third = _prompt(rng, 5 * BLOCK + 3)
+    third = random_prompt(rng, 5 * BLOCK + 3)
     [want] = reference([third], 8)
     assert generate(d, third).tokens == want
     t3 = d.stats().kv_blocks_transferred
@@ -580,7 +495,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_the_batch_goes_on(work
     and P, which a caller with the internal token can reach directly."""
     d, p = workers.d, workers.p
     rng = random.Random(21)
-    good_prompt = _prompt(rng, 40)
+    good_prompt = random_prompt(rng, 40)
     [want] = reference([good_prompt], 8)
     vocab = 10**6  # far past any tiny model's vocabulary
     sp = pb.SamplingParams(temperature=0, max_tokens=4)
@@ -631,7 +546,7 @@ def test_a_prefill_worker_writes_only_to_the_decode_agents_the_deployment_names(
     info = d.stub.TransferInfo(pb.TransferInfoRequest(), timeout=10).info
     real = json.loads(info)["agent_name"]
     rng = random.Random(8)
-    prompts = [_prompt(rng, 3 * BLOCK + 2) for _ in range(3)]
+    prompts = [random_prompt(rng, 3 * BLOCK + 2) for _ in range(3)]
     want = reference(prompts, 4)
 
     def transferred() -> int:
@@ -666,13 +581,13 @@ def test_a_prefill_worker_writes_only_to_the_decode_agents_the_deployment_names(
 def test_requests_that_cannot_fit_are_refused(workers):
     d, p = workers.d, workers.p
     rng = random.Random(6)
-    too_long = _request(_prompt(rng, 500), 20, [p.address])
+    too_long = generate_request(random_prompt(rng, 500), 20, [p.address])
     e = rpc_error(lambda: d.stub.Generate(too_long, timeout=10))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.details(), e
-    e = rpc_error(lambda: d.stub.Generate(_request([], 4, [p.address]), timeout=10))
+    e = rpc_error(lambda: d.stub.Generate(generate_request([], 4, [p.address]), timeout=10))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty prompt" in e.details(), e
     # Exactly at the context limit is fine (and finishes by length).
-    fits = generate(d, _prompt(rng, CONTEXT - 4), max_tokens=4, prefill=[p.address], ignore_eos=True)
+    fits = generate(d, random_prompt(rng, CONTEXT - 4), max_tokens=4, prefill=[p.address], ignore_eos=True)
     assert (len(fits.tokens), fits.finish) == (4, pb.LENGTH)
     assert_idle(d, p)
 
@@ -684,13 +599,13 @@ def test_a_replay_takes_its_kv_from_wherever_it_can_and_continues_exactly(worker
     last is decoded next: every way gives transformers' tokens. A kv_source that keeps
     nothing refuses the copy and the next way is taken; a decode worker prefills for no one."""
     d, p = workers.d, workers.p
-    prompt = _prompt(random.Random(11), 2 * BLOCK + 7)
+    prompt = random_prompt(random.Random(11), 2 * BLOCK + 7)
     (want,) = reference([prompt], 14)
     head = want[:min(6, len(want) - 1)]  # 6 streamed: the KV of 44 tokens, the last of them decoded next
     before = d.log_path.read_text(errors="replace").count("pull refused")
     ways = (((p.address,), d.address), ((), d.address), ((p.address,), ""), ((), ""))
     for i, (prefill, source) in enumerate(ways):
-        req = _request(prompt, 14, list(prefill), rid=f"replay-{i}")
+        req = generate_request(prompt, 14, list(prefill), rid=f"replay-{i}")
         req.output_token_ids[:] = head
         if source:  # D itself, which keeps nothing under this id
             req.kv_source.CopyFrom(pb.KVSource(address=source, request_id="kept-nowhere"))
@@ -721,17 +636,17 @@ def test_request_id_still_in_flight_is_refused(workers, reference):
     same id must not share (and later free) the blocks of the cancelled attempt."""
     d, p = workers.d, workers.p
     rng = random.Random(9)
-    prompt = _prompt(rng, 90)
+    prompt = random_prompt(rng, 90)
     [want] = reference([prompt], 8)
     assert generate(d, prompt).tokens == want  # now in D's prefix cache
     with stalled(workers.stall["p"]):
-        call = d.stub.Generate(_request(prompt, 8, [p.address], rid="dup"), timeout=RPC_TIMEOUT_S)
-        _logged(d, "request dup: prefill on")
-        e = rpc_error(lambda: d.stub.Generate(_request(prompt, 8, rid="dup"), timeout=10))
+        call = d.stub.Generate(generate_request(prompt, 8, [p.address], rid="dup"), timeout=RPC_TIMEOUT_S)
+        wait_logged(d, "request dup: prefill on")
+        e = rpc_error(lambda: d.stub.Generate(generate_request(prompt, 8, rid="dup"), timeout=10))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "duplicate" in e.details(), e
         call.cancel()
-        _logged(d, "request dup: cancelled")
-        e = rpc_error(lambda: d.stub.Generate(_request(prompt, 8, rid="dup"), timeout=10))
+        wait_logged(d, "request dup: cancelled")
+        e = rpc_error(lambda: d.stub.Generate(generate_request(prompt, 8, rid="dup"), timeout=10))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "duplicate" in e.details(), e
     assert_idle(d, p)
     assert generate(d, prompt, rid="dup").tokens == want  # free again once P confirmed
@@ -741,14 +656,15 @@ def test_request_id_still_in_flight_is_refused(workers, reference):
 def test_full_queue_is_resource_exhausted_and_leaks_nothing(workers, reference):
     small = workers.small  # one running sequence, one waiting slot
     rng = random.Random(7)
-    running = small.stub.Generate(_request(_prompt(rng, 8), 480, rid="q-running", ignore_eos=True),
+    running = small.stub.Generate(generate_request(random_prompt(rng, 8), 480, rid="q-running", ignore_eos=True),
                                   timeout=RPC_TIMEOUT_S)
     try:
         next(running)  # it runs: the one sequence slot is taken
-        queued_prompt = _prompt(rng, 8)
-        waiting = small.stub.Generate(_request(queued_prompt, 6, rid="q-waiting"), timeout=RPC_TIMEOUT_S)
+        queued_prompt = random_prompt(rng, 8)
+        waiting = small.stub.Generate(generate_request(queued_prompt, 6, rid="q-waiting"), timeout=RPC_TIMEOUT_S)
         wait_until(lambda: small.stats().waiting_requests == 1, 10, "the second request to queue")
-        e = rpc_error(lambda: small.stub.Generate(_request(_prompt(rng, 8), 4, rid="q-refused"), timeout=10))
+        e = rpc_error(lambda: small.stub.Generate(generate_request(random_prompt(rng, 8), 4, rid="q-refused"),
+                                                  timeout=10))
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
         assert "q-refused" in e.details()
     finally:
@@ -757,7 +673,7 @@ def test_full_queue_is_resource_exhausted_and_leaks_nothing(workers, reference):
     assert [t for msg in waiting for t in msg.token_ids] == reference([queued_prompt], 6)[0]
     assert_idle(small)
     # A --no-transfer worker given prefill workers prefills locally, with the same result.
-    prompt = _prompt(rng, 50)
+    prompt = random_prompt(rng, 50)
     [want] = reference([prompt], 8)
     assert generate(small, prompt, prefill=[workers.p.address]).tokens == want
     assert_idle(small)
