@@ -2,6 +2,8 @@
 and token streaming (docs/design.md steps 5-11).
 
 `python -m decode`; role.py builds it over an engine, worker.py runs it on the engine
-loop, remote_prefill.py drives its prefill workers, kv_source*.py hands a drained worker's
-KV over, service.py is its gRPC face.
+loop, remote_prefill.py drives its prefill workers (remote_prefill_state.py: one request's
+attempts; remote_prefill_events.py: what it hands the worker; prefill_peers.py: which
+workers may be asked; unconfirmed_aborts.py: blocks set aside for an unanswered abort),
+kv_source*.py hands a drained worker's KV over, service.py is its gRPC face.
 """

@@ -8,8 +8,8 @@ import argparse
 
 from common import trace
 from decode.kv_source_service import KVSourceService
-from decode.remote_prefill import DEFAULT_ABORT_BOUND_S
 from decode.service import DecodeService
+from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S
 from decode.worker import DecodeWorker
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2_grpc as pb_grpc

@@ -26,15 +26,9 @@ from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
 from decode.kv_source import KVSource
-from decode.remote_prefill import (
-    DEFAULT_ABORT_BOUND_S,
-    Event,
-    KVReady,
-    PrefillHere,
-    Quarantined,
-    Released,
-    RemotePrefills,
-)
+from decode.remote_prefill import RemotePrefills
+from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
+from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S
 from engine.llm_engine import LLMEngine, StepResult
 from engine.scheduler import RequestRejected, SchedulerOutput
 from rpc import pdserve_pb2 as pb
@@ -200,7 +194,7 @@ class DecodeWorker(EngineLoop):
     def set_members(self, addresses: list[str]) -> None:
         """The deployment's workers (SetPeers; any thread): at once, only these are asked for
         prefills; on the loop, blocks set aside for one that left are free again
-        (decode/remote_prefill.py)."""
+        (decode/unconfirmed_aborts.py)."""
         if self.remote is None:
             return
         remote = self.remote

@@ -1,4 +1,5 @@
-"""The controller's health decisions, apart from the Ray and gRPC calls that feed them.
+"""The controller's health decisions, apart from the Ray and gRPC calls that feed them
+(deploy/health_rounds.py).
 
 Each round, for each worker not draining: what its host reported (or that the host could
 not be reached) and, for a live worker of the known incarnation, its deep-health answer,

@@ -3,7 +3,8 @@ counters since the window began -> a decision from deploy/planner/online.py -> t
 asks for. Windows never span a change; a cool-down follows each move.
 
 It knows the controller only through the callables it is given (no import of
-deploy/controller.py), so the controller's lock and scaling stay the controller's.
+deploy/controller.py), so the membership's lock (deploy/membership.py) and the scaling
+(deploy/scaling.py) stay theirs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class PlannerLoop:
 
     config: PlannerConfig
     gateway_url: Callable[[], str]
-    current: Callable[[], Pools]  # the pools' sizes now (read under the controller's lock)
+    current: Callable[[], Pools]  # the pools' sizes now (read under the membership's lock)
     scale: Callable[[int, int], object]  # (prefill, decode): blocks until the move is done
     event: Callable[[str], None]  # the controller's event log
     stopping: threading.Event

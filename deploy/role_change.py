@@ -10,7 +10,7 @@ agent (worker/role_change.py). To its peers it is a new worker: a new id in its 
 a new incarnation, a new address.
 
 What this file decides and does is apart from the controller's bookkeeping
-(deploy/controller.py `_change_role`), which updates the pools and the membership.
+(deploy/scaling.py `_change_role`), which updates the pools and the membership.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import worker.destination as destination
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import wait_until
 from common.sampling_params import SamplingParams
-from decode.remote_prefill import Phase
+from decode.remote_prefill_state import Phase
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
