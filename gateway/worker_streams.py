@@ -43,6 +43,21 @@ class StreamError(grpc.RpcError):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Tokens:
+    """A step's plain tokens for one stream, read as the GenerateResponse it stands for
+    (no finish reason, no error, no logprobs): no protobuf message made per stream per step."""
+
+    __slots__ = ("token_ids",)
+    finish_reason = pb.FINISH_NONE
+    error = pb.Error()
+    logprobs = ()
+    usage = pb.Usage()
+    timings = pb.Timings()
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
 _END = object()  # a stream's queue: nothing more will come
 
 
@@ -195,7 +210,7 @@ class WorkerStreams:
         for stream, count in zip(down.streams, down.counts):
             sc = streams.get(stream)
             if sc is not None:
-                sc._push(pb.GenerateResponse(token_ids=tokens[start:start + count]))
+                sc._push(Tokens(tokens[start:start + count]))
             start += count
         for event in down.events:
             sc = streams.get(event.stream)
