@@ -5,8 +5,10 @@ prompt reserves its blocks and asks the first prefill worker to fill them (movin
 the list if that one fails before the KV is complete, then prefilling locally); otherwise
 it is prefilled here as chunked prefill in the decode batch (conditional disaggregation,
 and the aggregated mode when no prefill workers are given). Every step's new tokens go to
-the request's stream at once. The remote prefills themselves (attempts, aborts, the KV
-notifications) are decode/remote_prefill.py's; this worker applies their events.
+the request's stream at once: the step's tokens for every stream of one call (a gateway's
+Streams) leave as one message (decode/step_batches.py). The remote prefills themselves
+(attempts, aborts, the KV notifications) are decode/remote_prefill.py's; this worker
+applies their events.
 
 A drain that hands off ends every request with HANDED_OFF; those between two decode steps
 keep their KV here for the decode worker that takes them over, which asks for it as it
@@ -16,7 +18,6 @@ asks a prefill worker (decode/kv_source.py): a move costs a copy of the KV, not 
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from decode import metrics
 from decode.kv_source import KVSource
 from decode.remote_prefill import RemotePrefills
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
+from decode.step_batches import Outlet, StepBatches
 from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S
 from engine.llm_engine import LLMEngine, StepResult
 from engine.scheduler import RequestRejected, SchedulerOutput
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 class _Stream:
     """Where one request's responses go, and what its final message reports."""
 
-    out: queue.SimpleQueue
+    out: Outlet
     prompt_len: int
     params: SamplingParams
     arrived: float = field(default_factory=time.monotonic)
@@ -74,6 +76,7 @@ class DecodeWorker(EngineLoop):
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_timeout_s = prefill_timeout_s
         self.streams: dict[str, _Stream] = {}
+        self._touched: set[StepBatches] = set()  # calls with news gathered since the last flush
         self.kv_blocks_transferred = 0
         if self.remote is not None:
             # NIXL progress between layers while remote KV is awaited: a prefill worker's
@@ -83,7 +86,7 @@ class DecodeWorker(EngineLoop):
     # -- commands (run on the loop thread) -----------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
-            prefill_workers: list[str], out: queue.SimpleQueue, timeout_s: float | None,
+            prefill_workers: list[str], out: Outlet, timeout_s: float | None,
             cache_salt: str = "", output_token_ids: list[int] = (), kv_source: pb.KVSource | None = None) -> None:
         """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer);
         `output_token_ids`: a replay's tokens so far (their KV but the last's comes from the
@@ -132,6 +135,7 @@ class DecodeWorker(EngineLoop):
         if self.remote is not None:
             self.remote.cancel(request_id, self.engine.holds_blocks(request_id))
         self._close(request_id, pb.GenerateResponse(finish_reason=pb.ABORT))
+        self._flush()
         trace.event(request_id, "cancelled")
         log.info("request %s: cancelled", request_id)
 
@@ -140,6 +144,7 @@ class DecodeWorker(EngineLoop):
         error (blocks a prefill worker may be writing stay held until it confirms, as for a cancel)."""
         for request_id in list(self.streams):
             self._end(request_id, pb.INTERNAL, reason)
+        self._flush()
         if self.source is not None:
             self.source.drop_all()
 
@@ -158,6 +163,7 @@ class DecodeWorker(EngineLoop):
                 kept += 1
             self._end(request_id, pb.HANDED_OFF,
                       f"handed off: {self.name} is leaving" + ("; its KV is kept there" if kv is not None else ""))
+        self._flush()
         log.info("%s: handed off %d requests, %d with their KV kept for their takers", self.name, handed, kept)
 
     def kv_hold_s(self, num_tokens: int) -> float:
@@ -249,6 +255,7 @@ class DecodeWorker(EngineLoop):
     def on_step(self, result: StepResult) -> None:
         for d in result.outputs:
             self._deliver(d.request_id, d.token_ids, d.finish_reason, d.logprobs, d.num_cached_tokens)
+        self._flush()
 
     def _apply(self, events: list[Event]) -> None:
         """What the remote prefills ask of the engine and the streams."""
@@ -280,6 +287,7 @@ class DecodeWorker(EngineLoop):
                     metrics.FALLBACKS.labels("abort_unconfirmed").inc()
                     trace.event(ev.request_id, "local_prefill", cause="abort_unconfirmed")
                     self.engine.remote_kv_failed(ev.request_id)
+        self._flush()
 
     # -- streams --------------------------------------------------------------------------
 
@@ -293,6 +301,11 @@ class DecodeWorker(EngineLoop):
             stream.first_token_at = now
             trace.event(request_id, "first_token")
         stream.num_tokens += len(token_ids)
+        self._touched.add(stream.out.batches)
+        if reason is None and not logprobs:
+            if token_ids:
+                stream.out.tokens(token_ids)  # the common case: a column of the step's message
+            return
         msg = pb.GenerateResponse(token_ids=token_ids, finish_reason=finish_to_pb(reason))
         if logprobs:
             msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
@@ -317,3 +330,10 @@ class DecodeWorker(EngineLoop):
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.out.put(msg)
+            self._touched.add(stream.out.batches)  # sent by the caller's _flush: not a step's, so now
+
+    def _flush(self) -> None:
+        """The step's news leaves: one message per call that got any."""
+        for batches in self._touched:
+            batches.flush()
+        self._touched.clear()
