@@ -72,6 +72,31 @@ def test_the_gateways_async_channel_sends_the_secret_on_streams_too(worker, monk
     assert ok and len(tokens) == 3
 
 
+def test_the_gateways_streams_call_sends_the_secret_too(worker, monkeypatch):
+    """The gateway's one Streams call per decode worker (bidirectional: its own interceptor kind)."""
+    import asyncio
+
+    from gateway.worker_streams import WorkerStreams
+
+    monkeypatch.setenv(auth.ENV, SECRET)
+
+    async def run() -> list[int]:
+        async with auth.aio_channel(worker.address) as channel:
+            streams = WorkerStreams(channel, worker.address)
+            req = pb.GenerateRequest(request_id="auth-bidi", prompt_token_ids=[5, 6, 7],
+                                     params=pb.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+            call = streams.open(req, 30)
+            tokens = []
+            while True:
+                msg = await call.read()
+                tokens += msg.token_ids
+                if msg.finish_reason != pb.FINISH_NONE:
+                    await streams.close()
+                    return tokens
+
+    assert len(asyncio.run(run())) == 3
+
+
 class _Impostor:
     """A gRPC server on loopback that serves every method and records the metadata it is
     sent: an address someone handed to a client as a worker's. With `relay_to`, it answers
