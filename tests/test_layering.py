@@ -54,6 +54,13 @@ def test_a_package_imports_only_the_layers_below_it(package):
     assert not wrong, "\n".join(wrong)
 
 
+def test_the_benchmarks_import_nothing_of_the_tests():
+    """bench/ is installed with the package (`pdserve bench` runs it); the harness both use is
+    bench/harness/, so nothing under bench/ may need tests/."""
+    wrong = [str(p.relative_to(REPO)) for p in sorted((REPO / "bench").rglob("*.py")) if "tests" in _imports(p)]
+    assert not wrong, wrong
+
+
 def _modules() -> dict[str, Path]:
     """Every module of ours by its dotted name (a package by its __init__)."""
     found = {}
