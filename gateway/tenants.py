@@ -12,10 +12,16 @@ workers refuse past their own queue bound anyway. So what bounds such a tenant i
 admission's TTFT prediction (gateway/admission.py). Until a decode worker has reported,
 the limit is `STARTUP_SEQUENCES`. A tenant that must leave room for others sets
 `max_concurrent`.
+
+With several gateway processes (`python -m gateway --processes N`) the limits hold across
+them exactly: each tenant's counts live in a row of a table every process maps
+(gateway/tenant_table.py), and an admit checks the row's sums and adds to its own process's
+cell under the row's lock. `in_flight` and `queued_tokens` stay this process's own share.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 from collections.abc import Callable
@@ -24,6 +30,7 @@ from pathlib import Path
 
 from gateway.errors import APIError
 from gateway.router import PoolSize
+from gateway.tenant_table import TenantRow, TenantTable
 
 # The concurrency of a tenant with no max_concurrent before any decode worker has reported
 # its size (the seconds after start-up): one worker's max_num_seqs at its default.
@@ -41,10 +48,12 @@ class Tenant:
     # False (default): this tenant's prompts hit only its own prefix cache entries, so no
     # other tenant can learn, from cached_tokens or latency, what its prompts begin with.
     share_prefix_cache: bool = False
-    in_flight: int = 0
+    in_flight: int = 0  # this process's sequences and queued tokens (all of them, with one process)
     queued_tokens: int = 0
     # The decode pool's size now (Tenants.follow_pool; None: not followed); not a tenants-file key.
     pool_size: Callable[[], PoolSize | None] | None = field(default=None, init=False, repr=False, compare=False)
+    # Its row of the counts every gateway process shares (Tenants.share; None: one process).
+    shared: TenantRow | None = field(default=None, init=False, repr=False, compare=False)
 
     def concurrency_limit(self) -> tuple[int, str]:
         """The most sequences it may run at once, and where that number comes from."""
@@ -64,18 +73,18 @@ class Tenant:
         if choices > limit:
             raise APIError(400, f"n={choices}: tenant {self.name} may run {limit} sequences at once ({source}; "
                                 "each choice is one)", "n", code="tenant_concurrency_limit")
-        if self.in_flight + choices > limit:
+        if self._totals()[0] + choices > limit:
             raise APIError(429, f"tenant {self.name}: {limit} concurrent sequences (choices of its requests) is the "
                                 f"limit ({source})", code="tenant_concurrency_limit",
                            headers={"Retry-After": "1"}, reason="tenant_concurrency")
 
     def admit(self, tokens: int, choices: int = 1) -> None:
-        self.check_concurrency(choices)
-        if self.queued_tokens + tokens > self.max_queued_tokens:
-            raise APIError(429, f"tenant {self.name}: {self.max_queued_tokens} tokens in flight is the limit",
-                           code="tenant_token_limit", headers={"Retry-After": "1"}, reason="tenant_tokens")
-        self.in_flight += choices
-        self.queued_tokens += tokens
+        with self._locked():
+            self.check_concurrency(choices)
+            if self._totals()[1] + tokens > self.max_queued_tokens:
+                raise APIError(429, f"tenant {self.name}: {self.max_queued_tokens} tokens in flight is the limit",
+                               code="tenant_token_limit", headers={"Retry-After": "1"}, reason="tenant_tokens")
+            self._add(choices, tokens)
 
     def cache_salt(self, requested: str | None) -> str:
         """The prefix-cache salt of one request: the tenant's name (unless it shares its
@@ -89,8 +98,21 @@ class Tenant:
         return "".join(f"{tag}{len(value)}:{value};" for tag, value in parts)
 
     def release(self, tokens: int, choices: int = 1) -> None:
-        self.in_flight -= choices
-        self.queued_tokens -= tokens
+        with self._locked():
+            self._add(-choices, -tokens)
+
+    def _totals(self) -> tuple[int, int]:
+        """(sequences, queued tokens) over every gateway process."""
+        return self.shared.totals() if self.shared is not None else (self.in_flight, self.queued_tokens)
+
+    def _locked(self) -> contextlib.AbstractContextManager:
+        return self.shared.locked() if self.shared is not None else contextlib.nullcontext()
+
+    def _add(self, sequences: int, tokens: int) -> None:
+        self.in_flight += sequences
+        self.queued_tokens += tokens
+        if self.shared is not None:
+            self.shared.add(sequences, tokens)
 
 
 @dataclass
@@ -120,10 +142,28 @@ class Tenants:
     def open(self) -> bool:
         return not self.by_key
 
+    def all(self) -> list[Tenant]:
+        """Every tenant once, the anonymous one first, then in the file's order: the rows of
+        the shared table, the same in every process that reads the same file."""
+        tenants = [self.anonymous]
+        for tenant in self.by_key.values():  # a tenant with several keys appears once
+            if not any(tenant is t for t in tenants):
+                tenants.append(tenant)
+        return tenants
+
     def follow_pool(self, pool_size: Callable[[], PoolSize | None]) -> None:
         """Where tenants with no max_concurrent read the decode pool's size (the router's)."""
-        for tenant in [self.anonymous, *self.by_key.values()]:
+        for tenant in self.all():
             tenant.pool_size = pool_size
+
+    def share(self, table: TenantTable) -> None:
+        """Count in `table` from now on, a row per tenant (`all()`'s order), with the other
+        gateway processes; called before any request is admitted."""
+        tenants = self.all()
+        if len(tenants) != table.rows:
+            raise ValueError(f"{table.path} has {table.rows} tenant rows, the tenants file {len(tenants)}")
+        for row, tenant in enumerate(tenants):
+            tenant.shared = table.row(row)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if self.open:
