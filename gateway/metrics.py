@@ -1,12 +1,29 @@
 """The gateway's Prometheus metrics (GET /metrics): request counts and latencies, which the
 deploy controller's planner reads (deploy/planner/online.py), and one gauge series per worker
-from its Stats."""
+from its Stats.
+
+With several gateway processes (`python -m gateway --processes N`, gateway/processes.py)
+the counters and histograms count what every process served: each child starts with
+PROMETHEUS_MULTIPROC_DIR set (prometheus_client keeps their values in files there, one set
+per process id), and `count_across_processes` makes the default registry, which /metrics
+serves, read them all (prometheus_client's MultiProcessCollector). A dead child's files stay,
+so a restart sends no counter backwards. The gateway has no Gauge objects for that mode to
+merge: the per-worker gauges are the workers' Stats as the answering process last read them
+(each process reads them every health round), made at each scrape by `WorkerGauges`,
+because they describe the workers, not the gateway (a sum over processes would be wrong),
+and prometheus_client cannot remove a series in multiprocess mode (a gone worker's would
+stay). process_* and python_gc_* describe one process each and are left out there.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import GC_COLLECTOR, PROCESS_COLLECTOR, REGISTRY, Counter, Histogram, values
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from rpc import pdserve_pb2 as pb
 
@@ -51,11 +68,31 @@ class Slo:
 SLO = Slo()
 for _met in ("yes", "no"):
     SLO_REQUESTS.labels(_met)
-WORKER_GAUGES = {name: Gauge(f"pdserve_worker_{name}", doc, ["worker"]) for name, doc in {
+WORKER_GAUGES = {
     "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
     "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
-}.items()}
+}  # pdserve_worker_<name>{worker}: its help text
+
+
+class _WorkerSeries:
+    """The collector of the pdserve_worker_* gauges: this process's last reading of each
+    worker, as one family per gauge at each scrape (registered once, below)."""
+
+    def __init__(self):
+        self.by_worker: dict[str, dict[str, float]] = {}
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        by_worker = dict(self.by_worker)  # a health round may replace entries meanwhile
+        for name, doc in WORKER_GAUGES.items():
+            family = GaugeMetricFamily(f"pdserve_worker_{name}", doc, labels=["worker"])
+            for worker, gauges in by_worker.items():
+                family.add_metric([worker], gauges[name])
+            yield family
+
+
+_WORKER_SERIES = _WorkerSeries()
+REGISTRY.register(_WORKER_SERIES)
 
 
 class WorkerGauges:
@@ -67,22 +104,33 @@ class WorkerGauges:
 
     def export(self, stats: dict[str, pb.StatsResponse | None]) -> None:
         """Every answering worker's Stats into its gauges; the series of the others removed."""
-        exported = self.exported
+        series = _WORKER_SERIES.by_worker
         live = {(s.worker or address) for address, s in stats.items() if s is not None}
-        for gone in set(exported) - live:  # a replaced incarnation: its series end
-            for gauge in WORKER_GAUGES.values():
-                try:
-                    gauge.remove(gone)
-                except KeyError:
-                    pass
-            exported.discard(gone)
-        exported.update(live)
+        for gone in self.exported - live:  # a replaced incarnation: its series end
+            series.pop(gone, None)
+        self.exported = live
         for address, s in stats.items():
-            if s is None:
-                continue
-            values = {"kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
-                      "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
-                      "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-                      "kv_blocks_transferred": s.kv_blocks_transferred}
-            for name, value in values.items():
-                WORKER_GAUGES[name].labels(worker=s.worker or address).set(value)
+            if s is not None:
+                series[s.worker or address] = {
+                    "kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
+                    "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
+                    "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+                    "kv_blocks_transferred": s.kv_blocks_transferred}
+
+
+_OWN = (REQUESTS, TTFT, E2E, TPOT, REJECTIONS, RETRIES, PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_LENGTHS,
+        OUTPUT_LENGTHS, SLO_REQUESTS)  # every counter and histogram above
+
+
+def count_across_processes(folder: Path) -> None:
+    """Make the default registry (what /metrics serves) the counts of every gateway process
+    writing to `folder`, this one's included. This process's values go there already when
+    PROMETHEUS_MULTIPROC_DIR named `folder` before prometheus_client was imported (the front
+    process sets it in each child's environment); refused otherwise, since the counts would
+    then be this process's alone."""
+    if values.ValueClass is values.MutexValue:
+        raise RuntimeError("prometheus_client keeps this process's values in memory: PROMETHEUS_MULTIPROC_DIR "
+                           f"must name {folder} in its environment when it starts")
+    for collector in (*_OWN, PROCESS_COLLECTOR, GC_COLLECTOR):
+        REGISTRY.unregister(collector)
+    MultiProcessCollector(REGISTRY, str(folder))
