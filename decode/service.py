@@ -1,12 +1,14 @@
 """gRPC face of the decode worker: Streams (a gateway's requests, all on one call),
 Generate (one request on its own call) and SetPeers.
 
-Both ways in share one admission (`admit`: parameters, the grammar compile, proving the
-prefill workers, the engine loop's add) and one way out (decode/step_batches.py: each
-step's tokens leave as one message per call). A Streams call costs two threads however
-many requests it carries: its reader (opens and cancels) and its sender (the steps'
-messages); admissions, which may wait for a compile or a peer's proof, run on a small
-shared pool, so no request has a thread of its own.
+Both ways in share one admission (`prepare`: parameters, the grammar compile, proving the
+prefill workers; then `add`, on the engine loop) and one way out (decode/step_batches.py:
+each step's tokens leave as one message per call). A Streams call costs two threads
+however many requests it carries: its reader (opens and cancels) and its sender (the
+steps' messages); preparing, which may wait for a compile or a peer's proof, runs on a
+small shared pool, which hands the add to the loop without waiting for it, so no request
+has a thread of its own. A Generate's own thread waits for its add, and answers
+UNAVAILABLE if the loop does not get to it in time.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from common import trace
 from common.grammar_spec import GrammarError
+from common.sampling_params import SamplingParams
 from decode.step_batches import Outlet, StepBatches
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
@@ -32,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often a call's sender looks whether its call is still active
 PROVE_TIMEOUT_S = 10.0  # a peer's answer to Prove, a gRPC thread's work: a network bound, not an engine one
-ADMISSION_THREADS = 8  # opens admitted at once (each may wait for a compile, a proof, a loop turn)
+ADMISSION_THREADS = 8  # opens prepared at once (each may wait for a compile or a proof, never for the loop)
 
 
 class Refused(Exception):
@@ -43,13 +47,26 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
+@dataclass(frozen=True)
+class _Admission:
+    """A request ready for the loop: what `prepare` found out about it."""
+
+    request_id: str
+    request: pb.GenerateRequest
+    params: SamplingParams
+    prefill: list[str]  # the offered prefill workers that proved themselves (a hand-off's KV source first)
+    source: pb.KVSource | None
+    timeout_s: float | None
+
+
 class DecodeService(pb_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker):
         self.worker = worker
         self._admissions = ThreadPoolExecutor(ADMISSION_THREADS, thread_name_prefix="admit")
 
-    def admit(self, request: pb.GenerateRequest, timeout_s: float | None, out: Outlet) -> str:
-        """Admit one request (any thread but the loop's): its id, or Refused."""
+    def prepare(self, request: pb.GenerateRequest, timeout_s: float | None) -> _Admission:
+        """What must happen before the loop sees a request (any thread but the loop's; may wait
+        for its grammar's compile or a prefill worker's proof): its admission, or Refused."""
         rid = request.request_id or f"gen-{uuid.uuid4().hex[:12]}"
         trace.event(rid, "arrived", prompt_tokens=len(request.prompt_token_ids), tenant=request.tenant)
         try:
@@ -71,19 +88,31 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         prefill = self.worker.proven_prefill_workers(offered, PROVE_TIMEOUT_S)
         if source is not None and source.address not in prefill:
             source = None  # it could not prove itself (or is gone): the prefill workers, or here
+        return _Admission(rid, request, params, prefill, source, timeout_s)
+
+    def add(self, adm: _Admission, out: Outlet) -> None:
+        """The request joins the engine (on the loop thread), or Refused."""
+        r = adm.request
         try:
-            self.worker.call(lambda: self.worker.add(rid, prompt, params, request.priority, prefill, out, timeout_s,
-                                                     request.cache_salt, list(request.output_token_ids), source),
-                             timeout=self.worker.loop_wait_s())
+            self.worker.add(adm.request_id, list(r.prompt_token_ids), adm.params, r.priority, adm.prefill, out,
+                            adm.timeout_s, r.cache_salt, list(r.output_token_ids), adm.source)
         except QueueFull as e:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except RequestRejected as e:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except ShuttingDown as e:
             raise Refused(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+
+    def admit(self, request: pb.GenerateRequest, timeout_s: float | None, out: Outlet) -> str:
+        """Prepare and add one request, waiting for the loop to take it (a Generate's thread):
+        its id, or Refused (UNAVAILABLE when the loop does not get to it in time)."""
+        adm = self.prepare(request, timeout_s)
+        try:
+            self.worker.call(lambda: self.add(adm, out), timeout=self.worker.loop_wait_s())
         except TimeoutError:
-            raise Refused(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not admit it in time") from None
-        return rid
+            raise Refused(grpc.StatusCode.UNAVAILABLE,
+                          f"request {adm.request_id}: engine loop did not admit it in time") from None
+        return adm.request_id
 
     def cancel(self, request_id: str) -> None:
         self.worker.submit(lambda: self.worker.cancel(request_id))
@@ -175,9 +204,10 @@ class _StreamsCall:
         self.service._admissions.submit(self._admit, op)
 
     def _admit(self, op: pb.StreamOpen) -> None:
-        out = self.batches.outlet(op.stream, lambda: self._last(op.stream))
+        """On the admission pool: prepare, then hand the add to the loop without waiting for it
+        (so a burst of opens is admitted a whole step's worth at a time, not a pool's)."""
         try:
-            rid = self.service.admit(op.request, op.timeout_s or None, out)
+            adm = self.service.prepare(op.request, op.timeout_s or None)
         except Refused as e:
             self._forget(op.stream)
             self.batches.refuse(op.stream, e.code.value[0], e.message)
@@ -188,12 +218,20 @@ class _StreamsCall:
             self.batches.refuse(op.stream, grpc.StatusCode.INTERNAL.value[0], f"admission failed: {e}")
             return
         with self._lock:
-            if op.stream not in self._ids:
-                return  # it ended already (its last message came on the loop before this)
-            self._ids[op.stream] = rid
+            self._ids[op.stream] = adm.request_id
             cancel = self._ended or op.stream in self._cancelled
-        if cancel:
-            self.service.cancel(rid)
+        out = self.batches.outlet(op.stream, lambda: self._last(op.stream))
+        self.service.worker.submit(lambda: self._add(adm, out))
+        if cancel:  # after the add: the loop runs them in order
+            self.service.cancel(adm.request_id)
+
+    def _add(self, adm: _Admission, out: Outlet) -> None:
+        """On the loop: the request joins the engine, or its refusal goes out."""
+        try:
+            self.service.add(adm, out)
+        except Refused as e:
+            self._forget(out.stream)
+            self.batches.refuse(out.stream, e.code.value[0], e.message)
 
     def _cancel(self, stream: int) -> None:
         with self._lock:
