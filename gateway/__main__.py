@@ -1,8 +1,12 @@
-"""python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000]
+"""python -m gateway --decode HOST:PORT [--prefill HOST:PORT ...] [--model smollm2] [--port 8000] [--processes N]
 
 With PDSERVE_ADMIN_TOKEN set in its environment the worker lists may start empty: the
 deploy controller pushes them with PUT /admin/workers (Authorization: Bearer <token>) to the
-admin socket, 127.0.0.1:--admin-port, which the gateway prints as `admin on HOST:PORT`."""
+admin socket, 127.0.0.1:--admin-port, which the gateway prints as `admin on HOST:PORT`.
+
+With --processes N > 1 this process is the front process of N gateway processes that share
+its sockets (gateway/processes.py); each of them runs this module again with the hidden
+flags --shared, --process and --listen-fd (and --admin-fd)."""
 
 from __future__ import annotations
 
@@ -11,19 +15,23 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
+from pathlib import Path
 
 import uvicorn
 
 from common import envs, trace
 from common.model_source import resolve_model
 from common.parent_watch import watch_parent
-from gateway import admin_listener
+from gateway import admin_listener, metrics, processes
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.metrics import SLO
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
+from gateway.shared_membership import SharedMembership
+from gateway.tenant_table import TenantTable
 from gateway.tenants import Tenants
 from rpc.auth import is_loopback
 
@@ -71,7 +79,18 @@ def main() -> None:
                     help="with PDSERVE_ADMIN_TOKEN: the port of the admin socket, on 127.0.0.1 only (default: any free)")
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
                     help="serve without API keys on a non-loopback address: anyone who reaches it can use it")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="gateway processes on the port, each with its own event loop; tenant limits and /metrics "
+                         "count across them (default 1: this process serves alone)")
+    # A child of the front process (gateway/processes.py): where it shares its state, which it
+    # is, and the listening sockets it inherited.
+    ap.add_argument("--shared", help=argparse.SUPPRESS)
+    ap.add_argument("--process", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--admin-fd", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.processes < 1:
+        ap.error("--processes must be >= 1")
     per_ip = args.max_connections_per_ip
     if per_ip is None:  # a quarter: one address cannot hold every slot, a busy one rarely meets it
         per_ip = max(1, args.max_connections // 4)
@@ -83,20 +102,30 @@ def main() -> None:
     admin_token = envs.admin_token()
     if not args.decode and not admin_token:
         ap.error("--decode is required (or PDSERVE_ADMIN_TOKEN, for membership pushed by the deploy controller)")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    trace.set_process("gateway", f"{args.host}:{args.port}")
     if not (args.slo_ttft > 0 and args.slo_tpot > 0):
         ap.error("--slo-ttft and --slo-tpot must be > 0")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.processes > 1 and args.shared is None:
+        sys.exit(_front(args, admin_token))
+    shared = processes.SharedFolder(Path(args.shared)) if args.shared else None
+    if shared is not None:  # before any request is counted
+        metrics.count_across_processes(shared.metrics)
+    trace.set_process("gateway", f"{args.host}:{args.port}")
     SLO.ttft_s, SLO.tpot_s = args.slo_ttft, args.slo_tpot
     path = resolve_model(args.model)
     name = args.served_name or (args.model if "/" not in args.model else path.name)
     # config.json directly: the gateway never imports torch (engine.config does)
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
     tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
+    if shared is not None:
+        tenants.share(TenantTable.open(shared.counts, len(tenants.all()), args.processes, args.process))
     if tenants.open and not is_loopback(args.host):
         logging.getLogger("gateway").warning("serving on %s with no API keys (%s): anyone who reaches it can use it",
                                              args.host, OPT_IN_FLAG)
-    admin = admin_listener.bind(args.admin_port) if admin_token else None
+    if args.admin_fd is not None:
+        admin = socket.socket(fileno=args.admin_fd)
+    else:
+        admin = admin_listener.bind(args.admin_port) if admin_token else None
     admin_port = admin.getsockname()[1] if admin else None
     config = GatewayConfig(name, path, args.decode, args.prefill, max_len, host=args.host, tenants=tenants,
                            admin_port=admin_port, health_interval_s=args.health_interval, max_ttft_s=args.max_ttft,
@@ -108,15 +137,48 @@ def main() -> None:
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip
     # connections still sending a request (gateway/head_deadline.py).
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=args.host, port=args.port, log_level="info",
+    app = create_app(config)
+    if shared is not None and admin is not None:  # a push one process takes reaches the others
+        app = SharedMembership(app, shared.membership, admin_port, admin_token)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            http=with_head_timeout(args.header_timeout, per_ip),
                                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
                                            h11_max_incomplete_event_size=16384))
-    sockets = [server.config.bind_socket()]
+    sockets = [socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else server.config.bind_socket()]
     if admin is not None:
         sockets.append(admin)
-        print(f"admin on {admin_listener.HOST}:{admin_port}", file=sys.stderr, flush=True)
+        if shared is None:  # the front process says it for its children
+            print(f"admin on {admin_listener.HOST}:{admin_port}", file=sys.stderr, flush=True)
     server.run(sockets=sockets)
+
+
+def _front(args: argparse.Namespace, admin_token: str | None) -> int:
+    """The front process of `args.processes` gateway processes: the sockets bound once and
+    the model resolved once (a conversion runs once, not in every child), then
+    gateway/processes.py; returns the exit code."""
+    path = resolve_model(args.model)
+    name = args.served_name or (args.model if "/" not in args.model else path.name)
+    client = uvicorn.Config(app=None, host=args.host, port=args.port).bind_socket()
+    sockets = [client]
+    if admin_token:
+        sockets.append(admin_listener.bind(args.admin_port))
+    for s in sockets:  # connections queue from now on, also while a child restarts
+        s.listen(processes.BACKLOG)
+    port = client.getsockname()[1]
+    if admin_token:
+        print(f"admin on {admin_listener.HOST}:{sockets[1].getsockname()[1]}", file=sys.stderr, flush=True)
+
+    def child_args(folder: processes.SharedFolder, index: int, fds: list[int]) -> list[str]:
+        # the same flags, then what the front process settled (a later flag wins)
+        settled = ["--model", str(path), "--served-name", name, "--port", str(port), "--shared", str(folder.path),
+                   "--process", str(index), "--listen-fd", str(fds[0])]
+        if admin_token:
+            settled += ["--admin-fd", str(fds[1])]
+        if args.tenants:
+            settled += ["--tenants", str(folder.tenants)]
+        return [*sys.argv[1:], *settled]
+
+    return processes.serve(args.processes, sockets, args.tenants, child_args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import psutil
 
 from bench.harness.worker_procs import REPO, free_port
 from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S
@@ -26,12 +27,19 @@ FLOOD_LIMITS = httpx.Limits(max_connections=100, keepalive_expiry=CLIENT_KEEPALI
 
 
 @contextlib.contextmanager
-def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: str):
-    """A `python -m gateway` process over the given workers; yields its URL once /health answers."""
+def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: str, processes: int = 1,
+            started: list[subprocess.Popen] | None = None):
+    """A `python -m gateway` process over the given workers; yields its URL once /health
+    answers. `processes` > 1: that many gateway processes on the port, under a front process
+    (gateway/processes.py); `started` gets the (front) process, for tests that need its pid."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway", "--model", str(model_dir), "--served-name", "smollm2", "--port", str(port)]
     cmd += [a for d in decode for a in ("--decode", d)] + [a for p in prefill for a in ("--prefill", p)]
+    if processes != 1:
+        cmd += ["--processes", str(processes)]
     gw = subprocess.Popen([*cmd, *extra], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    if started is not None:
+        started.append(gw)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -50,12 +58,13 @@ def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: 
 
 
 @contextlib.contextmanager
-def admin_gateway(model_dir, decode: list[str], prefill: list[str], log_path, token: str, *extra: str):
+def admin_gateway(model_dir, decode: list[str], prefill: list[str], log_path, token: str, *extra: str,
+                  processes: int = 1, started: list[subprocess.Popen] | None = None):
     """`gateway` with an admin socket (PDSERVE_ADMIN_TOKEN=token), as the deploy controller
     runs it; yields (its URL, a function that PUTs a new membership: decode, prefill)."""
     os.environ["PDSERVE_ADMIN_TOKEN"] = token
     try:
-        with gateway(model_dir, decode, prefill, log_path, *extra) as url:
+        with gateway(model_dir, decode, prefill, log_path, *extra, processes=processes, started=started) as url:
             deadline = time.monotonic() + 30
             while not (m := re.search(r"^admin on (\S+):(\d+)$", log_path.read_text(), re.MULTILINE)):
                 assert time.monotonic() < deadline, log_path.read_text()[-2000:]
@@ -70,6 +79,23 @@ def admin_gateway(model_dir, decode: list[str], prefill: list[str], log_path, to
             yield url, members
     finally:
         del os.environ["PDSERVE_ADMIN_TOKEN"]
+
+
+def serving_process(front: subprocess.Popen, conn: socket.socket, timeout_s: float = 10.0) -> int:
+    """The pid of the gateway process, under the front process `front` (`--processes N`),
+    that accepted `conn` (a client's connection to the client or the admin socket)."""
+    server_port, client_port = conn.getpeername()[1], conn.getsockname()[1]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for child in psutil.Process(front.pid).children():
+            try:
+                held = child.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            if any(c.raddr and c.raddr.port == client_port and c.laddr.port == server_port for c in held):
+                return child.pid
+        assert time.monotonic() < deadline, f"no gateway process holds the connection from port {client_port}"
+        time.sleep(0.02)
 
 
 def data_lines(lines):
