@@ -106,6 +106,10 @@ class GatewaySettings:
     request_timeout_s: float | None = None
     # Serve with no tenants file on a non-loopback host: anyone who reaches it can use it.
     insecure_no_api_keys: bool = False
+    # Gateway processes on the port, each with its own event loop (one tops out below a
+    # decode worker's output at GPU rates); tenant limits and /metrics count across them
+    # (gateway/processes.py). `pdserve serve --gateways N` sets it.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
@@ -115,7 +119,7 @@ class GatewaySettings:
                  "gateway.insecure_no_api_keys: true to accept the risk")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _at_least(self, 0, "max_ttft_s", "request_timeout_s", strict=True)
-        _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes")
+        _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes", "processes")
 
     def args(self) -> list[str]:
         """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
@@ -132,6 +136,8 @@ class GatewaySettings:
             args += ["--request-timeout", str(self.request_timeout_s)]
         if self.insecure_no_api_keys:
             args.append(OPT_IN_FLAG)
+        if self.processes != 1:
+            args += ["--processes", str(self.processes)]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

@@ -41,6 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gateway port (default 8000)")
+    serve.add_argument("--gateways", type=int, help="gateway processes on that port (default 1; "
+                       "YAML gateway.processes): one per event loop, tenant limits and /metrics across them")
     serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded one)")
     serve.add_argument("--num-cpus", type=int, help="CPUs the embedded Ray offers (default: enough for the pools)")
     serve.set_defaults(run=run_serve)
@@ -89,7 +91,8 @@ def _embedded_on_loopback() -> None:
 def load_config(args: argparse.Namespace) -> DeployConfig:
     config = DeployConfig.from_yaml(args.config) if args.config else DeployConfig()
     config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
-                                   decode_replicas=args.decode, host=args.host, port=args.port)
+                                   decode_replicas=args.decode, host=args.host, port=args.port,
+                                   processes=args.gateways)
     if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
         from deploy.planner.profile import Profile
 
