@@ -24,7 +24,7 @@ import grpc
 from common import trace
 from common.grammar_spec import GrammarError
 from common.sampling_params import SamplingParams
-from decode.step_batches import Outlet, StepBatches
+from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
 from rpc import pdserve_pb2 as pb
@@ -137,7 +137,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 if not context.is_active():
                     return
                 continue
-            for msg in _responses(down):
+            for msg in responses(down):
                 yield msg
                 if msg.finish_reason != pb.FINISH_NONE:
                     return
@@ -262,13 +262,3 @@ class _StreamsCall:
         for rid in running:
             self.service.cancel(rid)
         self.batches.close()
-
-
-def _responses(down: pb.StreamsDown):
-    """One call's StreamsDown as the GenerateResponses of its one stream, in order."""
-    start = 0
-    for count in down.counts:
-        yield pb.GenerateResponse(token_ids=down.token_ids[start:start + count])
-        start += count
-    for event in down.events:
-        yield event.response

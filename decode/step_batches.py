@@ -120,3 +120,13 @@ class Outlet:
 
     def flush(self) -> None:
         self.batches.flush()
+
+
+def responses(down: pb.StreamsDown):
+    """A StreamsDown of one stream's call (a Generate's) as that stream's GenerateResponses, in order."""
+    start = 0
+    for count in down.counts:
+        yield pb.GenerateResponse(token_ids=down.token_ids[start:start + count])
+        start += count
+    for event in down.events:
+        yield event.response

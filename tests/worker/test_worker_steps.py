@@ -10,6 +10,7 @@ tests/e2e/test_chaos.py.
 
 from __future__ import annotations
 
+import collections
 import queue
 import time
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import wait_until
 from common.sampling_params import SamplingParams
 from decode.remote_prefill_state import Phase
+from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -51,6 +53,39 @@ def _prefill_worker(engine: LLMEngine, monkeypatch) -> tuple[prefill_worker.Pref
     return prefill_worker.PrefillWorker(engine, agent), agent
 
 
+
+class Inbox(Outlet):
+    """One request's messages as the decode worker delivers them (its outlet on a call of its
+    own), read like a queue of GenerateResponses."""
+
+    def __init__(self):
+        super().__init__(StepBatches(), 0, None)
+        self._read: collections.deque = collections.deque()
+
+    def get(self, timeout: float | None = None) -> pb.GenerateResponse:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._read:
+            left = 0.0 if deadline is None else deadline - time.monotonic()
+            if deadline is not None and left <= 0:
+                raise queue.Empty
+            down = self.batches.take(min(left, 0.5) if deadline is not None else 0.5)
+            if down is not None:
+                self._read.extend(responses(down))
+        return self._read.popleft()
+
+    def get_nowait(self) -> pb.GenerateResponse:
+        if self.empty():
+            raise queue.Empty
+        return self._read.popleft()
+
+    def empty(self) -> bool:
+        if not self._read:
+            down = self.batches.take(0)
+            if down is not None:
+                self._read.extend(responses(down))
+        return not self._read
+
+
 class _BookkeepingAgent:
     """Just enough of a TransferAgent for DecodeWorker's bookkeeping: no notification ever comes."""
 
@@ -72,7 +107,7 @@ def test_a_prefill_goes_out_before_the_forward_pass_and_transfers_progress_durin
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     agent = _BookkeepingAgent()
     worker = DecodeWorker(engine, "decode-test", agent)
-    out: queue.SimpleQueue = queue.SimpleQueue()
+    out = Inbox()
     sent_before_compute = []
     execute = engine.runner.execute
 
@@ -97,7 +132,7 @@ def test_cancel_between_reservation_and_prefill_request_keeps_the_loop_alive(mod
     (before poll() sends the Prefill) used to raise KeyError in poll(), ending the loop thread."""
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
-    out: queue.SimpleQueue = queue.SimpleQueue()
+    out = Inbox()
     dead = "127.0.0.1:1"  # nothing listens: the Abort fails UNAVAILABLE, so nothing can be writing
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, [dead], out, 5.0)
     scheduled = engine.schedule()  # reserves the prompt's blocks for the remote prefill
@@ -146,7 +181,7 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
     locally at once, the second still goes out, and nothing waits with reserved blocks."""
     engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 64), SchedulerConfig(BUDGET, 8, CONTEXT))
     worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
-    out: queue.SimpleQueue = queue.SimpleQueue()
+    out = Inbox()
     params = SamplingParams(temperature=0, max_tokens=4)
     counted = {"remote": _sample("pdserve_prefills_total", where="remote"),
                "send_failed": _sample("pdserve_prefill_fallbacks_total", cause="send_failed")}
@@ -217,7 +252,7 @@ def test_the_remote_prefill_budget_follows_the_measured_prefill_rate(model):
     assert worker.remote_prefill_budget_s(1) == 5.0
     big = int(rate * 2)  # two seconds of this worker's prefill
     assert worker.remote_prefill_budget_s(big) == pytest.approx(max(5.0, 10 * big / rate))
-    out: queue.SimpleQueue = queue.SimpleQueue()
+    out = Inbox()
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0, ["127.0.0.1:1"], out, 600.0)
     assert worker.remote["r"].deadline - time.monotonic() <= worker.remote_prefill_budget_s(40) + 0.1
 
@@ -246,7 +281,7 @@ def test_a_late_notification_of_an_earlier_attempt_matches_nothing(model, monkey
     monkeypatch.setattr(worker.remote, "_stub", lambda address: SimpleNamespace(
         Prefill=SimpleNamespace(future=lambda req, timeout: sent.append(req) or _Pending()),
         Abort=SimpleNamespace(future=lambda req, timeout: _Pending())))
-    out: queue.SimpleQueue = queue.SimpleQueue()
+    out = Inbox()
     worker.add("r", list(range(3, 43)), SamplingParams(temperature=0, max_tokens=4), 0,
                ["127.0.0.1:1", "127.0.0.1:2"], out, 30.0)
     worker.step()  # reserves r's blocks and sends attempt 1
@@ -313,7 +348,7 @@ def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_
     worker.poll = failing_poll
     worker.start()
     try:
-        outs = [queue.SimpleQueue() for _ in range(2)]
+        outs = [Inbox() for _ in range(2)]
         for i, out in enumerate(outs):
             worker.submit(lambda i=i, out=out: worker.add(f"r{i}", list(range(3 + i, 20 + i)),
                                                           SamplingParams(temperature=0, max_tokens=4), 0, [], out, 5.0))
@@ -324,7 +359,7 @@ def test_steps_that_keep_failing_end_every_request_with_an_error_and_the_worker_
         verdict = worker.health(5.0)  # while the iterations fail: deep health says so
         assert not verdict.ok and "engine steps are failing" in verdict.detail and "injected" in verdict.detail
         broken[0] = False
-        done: queue.SimpleQueue = queue.SimpleQueue()
+        done = Inbox()
         worker.submit(lambda: worker.add("after", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2), 0, [],
                                          done, 5.0))
         tokens, msg = [], done.get(timeout=60)
