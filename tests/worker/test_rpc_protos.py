@@ -15,7 +15,7 @@ def test_services_have_the_contract_methods():
     prefill = {m.name for m in services["PrefillWorker"].methods}
     common = {m.name for m in services["Worker"].methods}  # both roles answer it: no stub by role
     assert common == {"TransferInfo", "Health", "Stats", "Metrics", "Drain", "ChangeRole"}
-    assert decode == {"Generate", "SetPeers"}
+    assert decode == {"Generate", "Streams", "SetPeers"}
     assert prefill == {"Prefill", "Abort", "SetPeers"}
     assert services["DecodeWorker"].methods_by_name["Generate"].server_streaming
     assert hasattr(pdserve_pb2_grpc, "DecodeWorkerServicer") and hasattr(pdserve_pb2_grpc, "PrefillWorkerStub")
