@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model over several ranks (layout, sharded model, collectives)."""
