@@ -165,6 +165,11 @@ class Tokenizer:
         """Text of `ids` (invalid UTF-8 byte sequences become U+FFFD)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def tokens_of(self, ids: Sequence[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (transformers' convert_ids_to_tokens);
+        None for an id outside it."""
+        return [self._tok.id_to_token(i) for i in ids]
+
     @property
     def renders_tools(self) -> bool:
         """The chat template shows the model a `tools` list (tool-trained models' templates do)."""

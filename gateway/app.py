@@ -33,7 +33,7 @@ from gateway.body_limit import BodyLimit
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.metrics import REQUESTS
 from gateway.metrics_access import metrics_refusal
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, Membership
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
@@ -190,6 +190,37 @@ def create_app(config: GatewayConfig) -> FastAPI:
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size})", "prompt")
         return await path.serve("completion", body, prompt, tenant, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+        """vLLM's /tokenize: the token ids a completion of this prompt (or chat) would run on."""
+        config.tenants.authenticate(request.headers.get("authorization"))
+        _check_model(body.model)
+        try:
+            if body.messages is not None:
+                messages = render_messages(body.messages, tokenizer.renders_tools)
+                text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, body.add_generation_prompt)
+                ids = await asyncio.to_thread(tokenizer.encode, text, False)
+            else:
+                ids = await asyncio.to_thread(tokenizer.encode, body.prompt, body.add_special_tokens)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        except (TypeError, UnicodeError):
+            raise APIError(400, "text is not valid Unicode (unpaired surrogate?)",
+                           "messages" if body.messages is not None else "prompt") from None
+        return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids,
+                "token_strs": tokenizer.tokens_of(ids) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        """vLLM's /detokenize: the text of these token ids."""
+        config.tenants.authenticate(request.headers.get("authorization"))
+        _check_model(body.model)
+        if any(t < 0 or t >= tokenizer.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
     def _shed_before_tokenizing(tenant, endpoint: str, choices: int) -> None:
         """What would be refused whatever the prompt is refused before the prompt is

@@ -151,6 +151,33 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered with the model's
+    chat template, to the token ids a completion would run on."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # a prompt's; a chat template writes its own
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape): token ids to their text."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
 class Membership(BaseModel):
     """PUT /admin/workers: the workers the gateway routes to (gRPC host:port each)."""
     model_config = ConfigDict(extra="forbid")

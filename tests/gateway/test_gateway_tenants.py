@@ -33,6 +33,14 @@ def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant
     assert ok.startswith(b"HTTP/1.1 200"), ok[:300]
 
 
+def test_tokenize_and_detokenize_take_a_tenants_key_like_the_api(tenant_gateway):
+    for path, body in (("/tokenize", {"model": "smollm2", "prompt": "Hi"}),
+                       ("/detokenize", {"model": "smollm2", "tokens": [1, 2]})):
+        assert httpx.post(f"{tenant_gateway}{path}", json=body).status_code == 401
+        ok = httpx.post(f"{tenant_gateway}{path}", json=body, headers={"authorization": "Bearer key-b"})
+        assert ok.status_code == 200, ok.text
+
+
 @pytest.fixture(scope="module")
 def tenant_gateway(system, smollm2_dir, tmp_path_factory):
     """A second gateway over the same workers, with API keys: tenant a (1 request at a time), b."""
