@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +27,13 @@ class CheckpointError(ValueError):
     """The checkpoint's tensors do not fit the model (missing, misshapen)."""
 
 
-def load_weights(model: CausalLM, folder: str | Path) -> None:
+# (our parameter name, fused shard index or None, checkpoint tensor) -> the part this model holds
+Select = Callable[[str, int | None, torch.Tensor], torch.Tensor]
+
+
+def load_weights(model: CausalLM, folder: str | Path, select: Select | None = None) -> None:
+    """`select`: cuts each checkpoint tensor to the part this model holds, before it is
+    checked and placed (a tensor-parallel rank's slice: engine/parallel/sharded_weights.py)."""
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -42,13 +49,14 @@ def load_weights(model: CausalLM, folder: str | Path) -> None:
                     continue  # tied embeddings: the head is the embedding
                 if target not in params:
                     raise CheckpointError(f"{file.name}: tensor {name} has no place in the model")
+                tensor = f.get_tensor(name) if select is None else select(target, shard, f.get_tensor(name))
                 if shard is None:
-                    _copy(params[target], f.get_tensor(name), name)
+                    _copy(params[target], tensor, name)
                     loaded.add(target)
                 else:
-                    fused.setdefault(target, {})[shard] = f.get_tensor(name)
-    cfg = model.cfg
+                    fused.setdefault(target, {})[shard] = tensor
     for target, shards in fused.items():
+        cfg = model.layers[int(target.split(".")[1])].cfg  # the layer's own sizes (one rank's, when sharded)
         rows = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target else [cfg.intermediate_size] * 2
         if len(shards) != len(rows):
             raise CheckpointError(f"{target}: found {len(shards)} of {len(rows)} projections")

@@ -1,0 +1,80 @@
+"""One tensor-parallel rank's share of the Llama-family decoder, still a `CausalLM`.
+
+Megatron's split: q|k|v and gate|up are column-parallel (each rank computes its heads and
+its intermediate columns, no communication), o_proj and down_proj are row-parallel (each
+rank's partial product, summed by one all-reduce each: two per layer). The embedding and
+the LM head are split by vocabulary rows: a rank looks up only the ids it owns (zeros
+elsewhere) and one all-reduce sums the rows; the head's logits are all-gathered, so every
+rank holds the whole [rows, vocab] and the runner and sampler see a model like any other.
+The layers are built from the rank's local config (engine/parallel/layout.py); `cfg` stays
+the full model's, which is what the runner, the sampler and the scheduler read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model import CausalLM, Linear
+from engine.parallel.layout import TensorParallelLayout
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns of a linear layer; the output summed over the group. The
+    bias (if any) is held by rank 0 only, so it is added once."""
+
+    group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)  # [num_tokens, out]: this rank's partial sum
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + num_embeddings) of the embedding; ids outside them read zeros,
+    and the all-reduce fills them from the rank that owns them."""
+
+    start: int = 0
+    group: dist.ProcessGroup | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class ShardedCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype, device: str = "cpu",
+                 group: dist.ProcessGroup | None = None):
+        self.local_cfg = layout.local_config(cfg)
+        super().__init__(self.local_cfg, dtype, device)
+        self.cfg = cfg
+        self.layout = layout
+        self.group = group
+        embed = VocabParallelEmbedding(self.local_cfg.vocab_size, cfg.hidden_size)
+        embed.start, embed.group = layout.vocab.start, group
+        self.embed_tokens = embed.requires_grad_(False).to(dtype=dtype, device=device)
+        for layer in self.layers:
+            layer.o_proj = _row_parallel(layer.o_proj, group)
+            layer.down_proj = _row_parallel(layer.down_proj, group)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32, on every rank
+        local = super().compute_logits(hidden)  # [rows, this rank's vocab rows]
+        pad = self.layout.vocab_rows_max - local.shape[1]
+        if pad:
+            local = nn.functional.pad(local, (0, pad))
+        parts = [torch.empty_like(local) for _ in range(self.layout.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
+
+
+def _row_parallel(linear: Linear, group: dist.ProcessGroup | None) -> RowParallelLinear:
+    row = RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+    row.group = group
+    return row.requires_grad_(False).to(dtype=linear.weight.dtype, device=linear.weight.device)

@@ -1,0 +1,48 @@
+"""Cut a checkpoint's tensors to one tensor-parallel rank's slices (engine/weights.py's `select`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.sharded_model import ShardedCausalLM
+from engine.weights import Select, load_weights
+
+
+def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
+    """The `select` of rank `layout.rank`: column-parallel weights (q|k|v, gate|up) by output
+    rows, row-parallel ones (o, down) by input columns with their bias on rank 0 only,
+    the embedding and the LM head by vocabulary rows; norms whole."""
+    d = cfg.head_dim
+    q = slice(layout.q_heads.start * d, layout.q_heads.stop * d)
+    kv = slice(layout.kv_heads.start * d, layout.kv_heads.stop * d)
+    ffn = slice(layout.intermediate.start, layout.intermediate.stop)
+    vocab = slice(layout.vocab.start, layout.vocab.stop)
+
+    def select(target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        kind = target.rpartition(".")[2]  # "weight" or "bias"
+        if ".qkv_proj." in target:
+            return tensor[q if shard == 0 else kv]
+        if ".gate_up_proj." in target:
+            return tensor[ffn]
+        if ".o_proj." in target or ".down_proj." in target:
+            if kind == "bias":
+                return tensor if layout.rank == 0 else torch.zeros_like(tensor)
+            return tensor[:, q if ".o_proj." in target else ffn]
+        if target in ("embed_tokens.weight", "lm_head.weight"):
+            return tensor[vocab]
+        return tensor
+
+    return select
+
+
+def load_sharded_model(folder: str | Path, cfg: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype,
+                       device: str = "cpu", group=None) -> ShardedCausalLM:
+    """Rank `layout.rank`'s model with its slices of the checkpoint in `folder`, prepared."""
+    model = ShardedCausalLM(cfg, layout, dtype, device, group)
+    load_weights(model, folder, rank_slicer(cfg, layout))
+    model.prepare()
+    return model
