@@ -1,9 +1,10 @@
 """Faults, overload and abuse against the real system: `python -m bench.chaos`.
 
-Starts `pdserve serve` (embedded Ray, SmolLM2 in bfloat16, 1 prefill + 2 decode workers) as
-a subprocess and runs the scenarios against it one after another (docs/chaos.md says what
-each does): the overload on a deployment of its own whose gateway sheds past a TTFT bound,
-the others on one that never sheds. It prints one row per scenario:
+Starts `pdserve serve` (embedded Ray, SmolLM2 in bfloat16, 2 decode workers) as a subprocess
+and runs the scenarios against it one after another (docs/chaos.md says what each does): the
+overload on a deployment of its own (1 prefill worker) whose gateway sheds past a TTFT bound,
+the others on one (2 prefill workers) that never sheds and has a tenants file, so every
+request carries a tenant's API key. It prints one row per scenario:
 
 - completed: HTTP 200 and a finished answer (a stream: a finish_reason, then [DONE]);
 - failed cleanly: an OpenAI-shaped JSON error (429 shed, 503 no worker, ...), or an SSE
@@ -22,7 +23,8 @@ As root, run it in a loopback-only network namespace (embedded Ray binds to the 
 
 The package, one concept a module: `sizes` (the constants and the scenario sizes),
 `report` (how a request ended, a scenario's result, the table), `client` (the HTTP client
-that classifies every answer), `deployment` (`pdserve serve` as a subprocess), `context`
+that classifies every answer, and the tenants' API keys), `deployment` (`pdserve serve` as a
+subprocess; `status_feed`, its status from one Ray driver), `context`
 (what every scenario gets, and `settle` after it), the scenarios in `faults`, `transfer`, `load`
 `abuse` and `tenant_abuse` (with `slow_bodies`), their order and deployments in `scenarios`, and the command line in `cli`.
 """

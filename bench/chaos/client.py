@@ -15,6 +15,11 @@ from bench.chaos.report import Outcome, Record
 from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL, RECOVERY_TIMEOUT_S, TOKENS
 from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
+# The tenant of every scenario's requests unless it names another: in the shared deployment's
+# tenants file with no limit of its own, as the open gateway's one tenant (what the decode
+# pool holds, one prefix cache shared).
+DEFAULT_TENANT = "chaos"
+
 
 def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: bool = True) -> dict:
     """Exactly max_tokens tokens on a fresh random prompt (no prefix-cache hits)."""
@@ -22,10 +27,21 @@ def completion(prompt_len: int, max_tokens: int, rng: random.Random, stream: boo
             "ignore_eos": True, "temperature": 0.0, "stream": stream}
 
 
-def client(api_key: str | None = None) -> httpx.AsyncClient:
-    """The scenarios' HTTP client; with `api_key`, every request is that tenant's."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0), headers=headers,
+def api_key(tenant: str) -> str:
+    """The API key of `tenant` in the tenants file of the deployment the scenarios share
+    (bench/chaos/scenarios.py)."""
+    return "chaos-" + tenant.replace("/", "-")
+
+
+def auth(tenant: str = DEFAULT_TENANT) -> dict[str, str]:
+    """The Authorization header of `tenant`'s requests (an open gateway ignores it)."""
+    return {"Authorization": f"Bearer {api_key(tenant)}"}
+
+
+def client(tenant: str = DEFAULT_TENANT) -> httpx.AsyncClient:
+    """The scenarios' HTTP client: every request is `tenant`'s, with its API key (an open
+    gateway, as the overload's own deployment runs, ignores the key)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(CLIENT_TIMEOUT_S, connect=10.0), headers=auth(tenant),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
 

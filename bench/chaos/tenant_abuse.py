@@ -1,8 +1,9 @@
 """The tenants scenario: issue 44's tenant attacks made from outside the gateway, while a
 victim tenant streams and its inter-token latency is compared with its own unloaded one.
 
-On a deployment of its own (`DEPLOYMENT`): a tenants file, and a gateway whose output cap
-lets a request reach the log-probability bound and whose body deadline is short. The attacks:
+On the deployment the scenarios share, whose tenants file has `TENANTS` and whose gateway
+has `GATEWAY`: an output cap that lets a request reach the log-probability bound, and a short
+body deadline. The attacks:
 
 1. a tenant that shares its prefix cache sends the `cache_salt` the old code derived for an
    isolated tenant ("tenant:team/iso"), and an isolated tenant whose name plus its salt spelled
@@ -25,7 +26,7 @@ from contextlib import AsyncExitStack
 
 import httpx
 
-from bench.chaos.client import client, completion, send
+from bench.chaos.client import api_key, client, completion, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Record, Result
 from bench.chaos.sizes import MODEL
@@ -36,7 +37,7 @@ from gateway.params import MAX_LOGPROB_ENTRIES
 ABUSER_LIMIT = 4  # the abusing tenant's max_concurrent
 WIDE = 16  # n of the log-probability request (the protocol's most), and its tenant's max_concurrent
 LOGPROB_TOKENS = MAX_LOGPROB_ENTRIES // (WIDE * 21) + 1  # with top_logprobs 20: just past the bound
-MAX_OUTPUT_TOKENS = 512  # this deployment's cap on max_tokens: room for LOGPROB_TOKENS
+MAX_OUTPUT_TOKENS = 512  # the shared deployment's cap on max_tokens: room for LOGPROB_TOKENS
 MAX_BODY_BYTES = 64 * 1024  # a body's whole deadline is --body-timeout (30 s) + this at 16 KiB/s: 34 s
 PER_IP_CAP = 256  # the gateway's default --max-connections-per-ip: a quarter of --max-connections (1024)
 PAST_THE_CAP = 16  # slow bodies past it
@@ -46,11 +47,6 @@ UNLOADED_REQUESTS = 6  # per victim stream, before the abuse (a few seconds: a s
 LONG_PROMPT = 256  # item 1's prompt: 16 KV blocks
 ITL_BOUND = 2.0  # the victim's ITL during the abuse, over its unloaded one
 
-
-def _key(name: str) -> str:
-    return "chaos-" + name.replace("/", "-")
-
-
 TENANTS = [
     {"name": "victim"},
     {"name": "team/iso"},  # isolated, a name with "/": the old salt "tenant:team/iso"
@@ -58,8 +54,7 @@ TENANTS = [
     {"name": "sharer", "share_prefix_cache": True, "max_concurrent": WIDE},
     {"name": "abuser", "share_prefix_cache": True, "max_concurrent": ABUSER_LIMIT},
 ]
-DEPLOYMENT = {"tenants": [{**t, "api_keys": [_key(t["name"])]} for t in TENANTS],
-              "gateway": {"max_output_tokens": MAX_OUTPUT_TOKENS, "max_body_bytes": MAX_BODY_BYTES}}
+GATEWAY = {"max_output_tokens": MAX_OUTPUT_TOKENS, "max_body_bytes": MAX_BODY_BYTES}
 
 
 async def tenant_abuse(ctx: Chaos) -> Result:
@@ -68,7 +63,7 @@ async def tenant_abuse(ctx: Chaos) -> Result:
     res, dep, rng = Result("tenants", no_5xx=True), ctx.dep, ctx.rng
     fffd = await asyncio.to_thread(_lone_replacement_token)
     async with AsyncExitStack() as stack:
-        http = {t["name"]: await stack.enter_async_context(client(_key(t["name"]))) for t in TENANTS}
+        http = {t["name"]: await stack.enter_async_context(client(t["name"])) for t in TENANTS}
         unloaded: list[Record] = []
         await asyncio.gather(*(_victim(http["victim"], dep.url, rng, unloaded, UNLOADED_REQUESTS)
                                for _ in range(VICTIM_STREAMS)))
@@ -76,7 +71,7 @@ async def tenant_abuse(ctx: Chaos) -> Result:
         stop, during = asyncio.Event(), []
         victims = [asyncio.create_task(_victim(http["victim"], dep.url, rng, during, None, stop))
                    for _ in range(VICTIM_STREAMS)]
-        slow = asyncio.create_task(slow_bodies(dep.url, _key("abuser"), PER_IP_CAP + PAST_THE_CAP))
+        slow = asyncio.create_task(slow_bodies(dep.url, api_key("abuser"), PER_IP_CAP + PAST_THE_CAP))
         t0 = time.monotonic()
         attacks = await asyncio.gather(
             _abuser(res, http, dep.url, rng, ctx.sizes.tenant_waves, (itl_unloaded or 0.05) * VICTIM_TOKENS / 2),

@@ -110,7 +110,7 @@ async def transfer_error_first(ctx: Chaos) -> Result:
         return res
     first, second = prefill[0], prefill[1]
     # Prompts the gateway's router sends to the first worker first (its rendezvous ranking;
-    # the open gateway's prefix cache is shared, salt ""): each must fail there and move on.
+    # the scenarios' default tenant shares its prefix cache, salt ""): each must fail there and move on.
     ranking = Router([], [first["address"], second["address"]])
     bodies: list[dict] = []
     while len(bodies) < ctx.sizes.transfer_requests:

@@ -1,13 +1,13 @@
 """The chaos scenarios of bench/chaos/ in their short form (`--quick` sizes), against the
-real `pdserve serve` (embedded Ray, 2 prefill + 2 decode workers, SmolLM2): overload at 5x
-capacity on a deployment of its own whose gateway sheds past a TTFT bound; issue 44's
-tenant attacks on one of their own with a tenants file, a victim tenant streaming; then, on one
-that never sheds, shared by the module, a cancellation storm, abuse, and the faults that
-replace processes (a wedged decode worker, kill -9 of the prefill worker, of a decode
-worker, of the gateway). Each asserts the issue's figures through `Result.problems()`: nothing hung,
-no KV block leaked on any worker once idle, no 5xx where none is allowed, no cut stream
-unless the gateway itself died, and a fresh request served again after every fault. No
-assert is on speed: recovery bounds are minutes.
+real `pdserve serve` (embedded Ray, SmolLM2): overload at 5x capacity on a deployment of its
+own (1 prefill + 2 decode workers) whose gateway sheds past a TTFT bound; then, on one that
+never sheds (2 prefill + 2 decode workers, a tenants file), shared by the module, a
+cancellation storm, abuse, issue 44's tenant attacks with a victim tenant streaming, the
+KV-transfer faults, and the faults that replace processes (a wedged decode worker, kill -9
+of the prefill worker, of a decode worker, of the gateway). Each asserts the issue's figures
+through `Result.problems()`: nothing hung, no KV block leaked on any worker once idle, no 5xx
+where none is allowed, no cut stream unless the gateway itself died, and a fresh request
+served again after every fault. No assert is on speed: recovery bounds are minutes.
 
 Runs only in a loopback-only network namespace (as root, `make test` does), like
 tests/deploy/test_deploy.py: never `ray stop`.
@@ -39,8 +39,9 @@ def deployment(workdir, max_ttft_s: float | None = None, prefill_replicas: int =
 
 @pytest.fixture(scope="module")
 def ctx(smollm2_dir, tmp_path_factory):
-    """The deployment the storm, the abuse and the faults share: it never sheds (429s would
-    hide what a fault did to a request). Two prefill workers: one may fail while the other serves."""
+    """The deployment every scenario but the overload shares: it never sheds (429s would hide
+    what a fault did to a request). Two prefill workers: one may fail while the other serves.
+    Its tenants file has every scenario's tenant (bench/chaos/scenarios.py)."""
     with deployment(tmp_path_factory.mktemp("chaos"), **chaos.SHARED_DEPLOYMENT) as c:
         yield c
 
@@ -88,22 +89,6 @@ def test_overload_is_shed_with_fast_429s_and_no_crash(smollm2_dir, tmp_path):
     assert r.completed > 0 and f["rejected"] > 0, f  # at 5x capacity some are admitted and some shed
 
 
-def test_tenants_attacks_get_no_5xx_and_leave_the_victim_served(smollm2_dir, tmp_path):
-    """Issue 44's tenant attacks from outside the gateway (a cache salt spelling an isolated
-    tenant's, n > 1 requests left halfway at the tenant's limit, slow schemas, a lone-U+FFFD
-    logit_bias, n x top_logprobs past the bound, slow bodies past the per-address cap), on a
-    deployment of its own with a tenants file. The victim's inter-token latency ratio is
-    reported (the bench holds it to 2x), not asserted."""
-    with deployment(tmp_path, **chaos.OWN_DEPLOYMENT["tenants"]) as c:
-        r = run(c, "tenants")
-    f = r.figures
-    assert f["cached_tokens"]["team/iso again"] > 0, f["cached_tokens"]  # the probe sees a cache hit where one is
-    assert f["left_choices"]["left"] > 0 and f["left_choices"]["full_limit_served_after_s"] is not None, f
-    assert f["schema_flood"]["victim"] == 200, f["schema_flood"]
-    assert f["slow_bodies"]["408"] == f["per_ip_cap"] and f["victim_streams"][1] > 0, f
-    assert f["itl_ratio"] is not None, f  # measured (and shown), not bounded here
-
-
 def test_a_cancellation_storm_leaks_no_block_and_hangs_nothing(ctx):
     r = run(ctx, "storm")
     assert r.cancelled > 0 and r.completed > 0, r
@@ -117,6 +102,22 @@ def test_abuse_gets_no_5xx_and_the_gateway_stays_up(ctx):
     assert set(f["slow_heads"]) == {"408"}, f["slow_heads"]  # heads sent byte by byte: cut off, answered
     assert r.failed_cleanly > 0 and r.completed > 0, f["statuses"]  # bad inputs refused, good ones served
     assert f["gateway_rss_mb"][-1] - f["gateway_rss_mb"][0] < 512, f  # flat, give or take the allocator
+    assert f["burst_429"] > 0 and not f["burst_other"], f  # past a tenant's limit: served, or its 429 at once
+
+
+def test_tenants_attacks_get_no_5xx_and_leave_the_victim_served(ctx):
+    """Issue 44's tenant attacks from outside the gateway (a cache salt spelling an isolated
+    tenant's, n > 1 requests left halfway at the tenant's limit, slow schemas, a lone-U+FFFD
+    logit_bias, n x top_logprobs past the bound, slow bodies past the per-address cap), while
+    a victim tenant streams. The victim's inter-token latency ratio is reported (the bench
+    holds it to 2x), not asserted."""
+    r = run(ctx, "tenants")
+    f = r.figures
+    assert f["cached_tokens"]["team/iso again"] > 0, f["cached_tokens"]  # the probe sees a cache hit where one is
+    assert f["left_choices"]["left"] > 0 and f["left_choices"]["full_limit_served_after_s"] is not None, f
+    assert f["schema_flood"]["victim"] == 200, f["schema_flood"]
+    assert f["slow_bodies"]["408"] == f["per_ip_cap"] and f["victim_streams"][1] > 0, f
+    assert f["itl_ratio"] is not None, f  # measured (and shown), not bounded here
 
 
 def test_a_slow_kv_transfer_delays_requests_and_loses_none(ctx):
