@@ -239,3 +239,4 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/parallel/)

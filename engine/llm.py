@@ -41,7 +41,12 @@ class LLM:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        tensor_parallel_size: int = 1,
     ):
+        """`tensor_parallel_size`: ranks the model is sharded over, one process each (this one
+        is rank 0 and schedules and samples; CPU and gloo only so far: engine/parallel/).
+        `num_threads` is each rank's. A degree the model's head counts do not divide is
+        refused with the degrees that would work. `close()` stops the other ranks."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         path = resolve_model(model)
@@ -51,8 +56,18 @@ class LLM:
         sched = SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len or limit)
         resolved, why = resolve_dtype(dtype)
         self.dtype_choice = f"dtype {str(resolved).removeprefix('torch.')}, because {why} [{cpu().describe()}]"
-        self.engine = LLMEngine.from_folder(path, resolved, cache, sched, self.tokenizer.eos_token_ids)
+        self.engine = LLMEngine.from_folder(path, resolved, cache, sched, self.tokenizer.eos_token_ids,
+                                            tensor_parallel_size)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

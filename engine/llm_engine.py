@@ -32,6 +32,9 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.outputs import RequestOutput
+from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.rank_group import LeaderRunner, RankGroup
+from engine.parallel.sharded_weights import load_sharded_model
 from engine.scheduler import QueueFull, RequestRejected, ScheduledChunk, Scheduler, SchedulerOutput, SequenceUpdate
 from engine.sequence import KeptKV, Sequence
 from engine.step_buffers import StepLimits
@@ -93,20 +96,36 @@ class LLMEngine:
         if not self._on_cuda:
             keep_freed_memory()
         weights = "kept"
-        if model is None:
-            model, weights = CausalLM(config.model, config.dtype, config.device), "loaded"
-            load_weights(model, config.model_path)
-            model.prepare()
-        num_blocks = config.cache.resolve_num_blocks(config.model.kv_bytes_per_token(config.dtype))
-        # One physical block more than the manager hands out: the deep-health probe's scratch.
-        self.kv_cache = KVCache(config.model, num_blocks + 1, config.cache.block_size, config.dtype, config.device)
-        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        eos = frozenset(config.model.eos_token_ids)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
         sched = config.scheduler
         limits = StepLimits(sched.max_num_batched_tokens, sched.max_num_seqs,
                             -(-sched.max_model_len // config.cache.block_size))
-        self.runner = ModelRunner(model, self.kv_cache, config.device, limits)
+        # With tensor parallelism this process is rank 0: its pool holds its KV heads only,
+        # and the memory budget is each rank's.
+        layout = kv_cfg = self.ranks = None
+        if config.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("a tensor-parallel engine loads its own weights: it cannot run another's")
+            layout = TensorParallelLayout.of(config.model, config.tensor_parallel_size, 0)  # refuses a wrong degree
+            kv_cfg = layout.local_config(config.model)
+        num_blocks = config.cache.resolve_num_blocks((kv_cfg or config.model).kv_bytes_per_token(config.dtype))
+        if layout is not None:  # the other ranks' pools have the same blocks as this one's
+            self.ranks = RankGroup(config, num_blocks + 1, limits)
+            model, weights = load_sharded_model(config.model_path, config.model, layout, config.dtype,
+                                                config.device), "loaded"
+        elif model is None:
+            model, weights = CausalLM(config.model, config.dtype, config.device), "loaded"
+            load_weights(model, config.model_path)
+            model.prepare()
+        # One physical block more than the manager hands out: the deep-health probe's scratch.
+        self.kv_cache = KVCache(kv_cfg or config.model, num_blocks + 1, config.cache.block_size, config.dtype,
+                                config.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        eos = frozenset(config.model.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
+        if self.ranks is None:
+            self.runner = ModelRunner(model, self.kv_cache, config.device, limits)
+        else:
+            self.runner = LeaderRunner(model, self.kv_cache, config.device, limits, self.ranks)
         self.model = model
         self._probe_block = num_blocks
         self._grammars: Grammars | None = None
@@ -123,6 +142,7 @@ class LLMEngine:
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
+        tensor_parallel_size: int = 1,
     ) -> LLMEngine:
         model_cfg = ModelConfig.from_pretrained(path)
         if eos_token_ids:
@@ -131,7 +151,13 @@ class LLMEngine:
         if sched.max_model_len > model_cfg.max_model_len:
             raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
                              f"limit of {model_cfg.max_model_len}")
-        return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched))
+        return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched,
+                                tensor_parallel_size=tensor_parallel_size))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one rank). Bounded."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def over_weights_of(self, cache: CacheConfig, scheduler: SchedulerConfig) -> LLMEngine:
         """A new engine, with its own KV pool and scheduler sized by `cache` and `scheduler`,

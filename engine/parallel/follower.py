@@ -1,0 +1,63 @@
+"""A tensor-parallel rank other than 0: its shard of the model and its KV heads' pool, and
+a loop that runs each step rank 0 plans (engine/parallel/step_plan.py) until told to stop.
+
+It never schedules nor samples: it runs the forward pass and the LM head (whose logits are
+all-gathered, so every rank takes part) and drops the logits. Plans come over a pipe, not a
+collective, so an idle engine does not run into the collective's timeout, and a follower
+whose rank 0 died sees the pipe close and exits.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner
+from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.sharded_weights import load_sharded_model
+from engine.parallel.step_plan import StepPlan
+from engine.step_buffers import StepLimits
+
+
+def join_group(rendezvous: str, size: int, rank: int) -> None:
+    """This process's place in the default process group: gloo over loopback (CPU only so
+    far: NCCL and a device per rank are not written yet)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one engine share a host
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+
+
+def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,
+                  num_threads: int, plans: Connection) -> None:
+    torch.set_num_threads(num_threads)
+    size = config.tensor_parallel_size
+    join_group(rendezvous, size, rank)
+    try:
+        layout = TensorParallelLayout.of(config.model, size, rank)
+        model = load_sharded_model(config.model_path, config.model, layout, config.dtype, config.device)
+        kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, config.device)
+        runner = ModelRunner(model, kv, config.device, limits)
+        plans.send("ready")
+        while True:
+            try:
+                plan = plans.recv()
+            except EOFError:  # rank 0 is gone
+                return
+            if plan is None:
+                return
+            run_plan(runner, plan)
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def run_plan(runner: ModelRunner, plan: StepPlan) -> None:
+    """One step's collectives on this rank: the forward pass, and the LM head when a row is sampled."""
+    input_ids, positions, meta, rows, sampled = runner._prepare(plan)
+    hidden = runner.model(input_ids, positions, runner.kv_cache.layers, meta)
+    if sampled:
+        runner.model.compute_logits(hidden[rows])

@@ -1,0 +1,102 @@
+"""Rank 0's side of a tensor-parallel engine: it starts the other ranks (one process
+each), joins the process group with them, sends each step's plan, and stops them.
+
+`LeaderRunner` is the runner rank 0's engine calls: the plan goes out before rank 0's own
+forward pass, so every rank enters the step's collectives in the same order. The scheduler,
+the KV manager and sampling stay on rank 0; every rank's pool has the same block ids.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.parallel.follower import follower_main, join_group
+from engine.parallel.step_plan import StepPlan
+from engine.scheduler import SchedulerOutput
+from engine.step_buffers import StepLimits
+
+READY_S = 600  # bound on a follower's start (spawn, imports, its weights)
+STOP_S = 30
+
+
+class RankGroup:
+    """The follower processes of one tensor-parallel engine, and rank 0's membership."""
+
+    def __init__(self, config: EngineConfig, num_blocks: int, limits: StepLimits):
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine "
+                               "per process")
+        size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        rendezvous = str(Path(self._dir) / "rendezvous")
+        ctx = multiprocessing.get_context("spawn")
+        self._pipes, self._procs = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=follower_main, daemon=True, name=f"tp-rank-{rank}",
+                               args=(config, rank, rendezvous, num_blocks, limits, torch.get_num_threads(), theirs))
+            proc.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._procs.append(proc)
+        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir)
+        try:
+            join_group(rendezvous, size, 0)
+            for rank, pipe in enumerate(self._pipes, start=1):
+                if not pipe.poll(READY_S) or pipe.recv() != "ready":
+                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {READY_S} s")
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, plan: StepPlan) -> None:
+        for rank, pipe in enumerate(self._pipes, start=1):
+            try:
+                pipe.send(plan)
+            except (BrokenPipeError, ConnectionResetError, EOFError) as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone "
+                                   f"(exit code {self._procs[rank - 1].exitcode})") from e
+
+    def close(self) -> None:
+        """Stop the followers (bounded; killed past it) and leave the process group."""
+        self._closer()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _stop(pipes, procs, folder: str) -> None:
+    for pipe in pipes:
+        try:
+            pipe.send(None)
+        except OSError:
+            pass
+    for proc in procs:
+        proc.join(STOP_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(STOP_S)
+    for pipe in pipes:
+        pipe.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class LeaderRunner(ModelRunner):
+    """Rank 0's runner: sends the step's plan to the other ranks, then runs it like any runner."""
+
+    def __init__(self, model, kv_cache: KVCache, device: str, limits: StepLimits, ranks: RankGroup):
+        super().__init__(model, kv_cache, device, limits)
+        self.ranks = ranks
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.ranks.send(StepPlan.of(out))
+        return super().execute(out)

@@ -1,0 +1,82 @@
+"""The offline API at tensor_parallel_size=N: this process is rank 0 (scheduler, KV manager,
+sampling), the other ranks are processes that run each step's plan. Greedy float32 tokens
+through the whole engine (continuous batching, chunked prefill, prefix cache) equal one
+rank's and transformers'; the followers stop when the engine closes; a degree the model's
+heads do not allow is refused before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
+from common.sampling_params import SamplingParams
+from engine import LLM
+from engine.config import CacheConfig, SchedulerConfig, UnsupportedModelError
+from engine.llm_engine import LLMEngine
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (7, 40, 3, 26)]
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id].extend(delta.token_ids)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def _engine(folder, size: int) -> LLMEngine:
+    # a 16-token budget: the 40- and 26-token prompts are prefilled in chunks beside decodes
+    return LLMEngine.from_folder(folder, "float32", CacheConfig(block_size=16, num_blocks=32),
+                                 SchedulerConfig(max_num_batched_tokens=16, max_model_len=256),
+                                 tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("kind,size", [("llama-gqa", 2), ("llama3-rope", 2)])
+def test_engine_at_tp_gives_one_ranks_and_transformers_tokens(kind, size, tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / kind, kind, seed=5)
+    prompts = _prompts()
+    want = _generate(_engine(folder, 1), prompts, 8)
+    hf = load_hf(folder, torch.float32)
+    for p, w in zip(prompts, want):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert w == ref
+
+    engine = _engine(folder, size)
+    procs = list(engine.ranks._procs)
+    try:
+        assert engine.kv_cache.pool.shape[4] == max(1, engine.config.model.num_kv_heads // size)
+        assert _generate(engine, prompts, 8) == want
+        assert _generate(engine, prompts[:2], 8) == want[:2]  # again: prefix-cache hits, same blocks on every rank
+        assert engine.kv_manager.num_free_blocks == 32  # every block back in the pool
+    finally:
+        engine.close()
+    assert [p.exitcode for p in procs] == [0] * (size - 1)  # stopped by the close, not killed
+
+
+def test_a_degree_the_heads_do_not_divide_is_refused(smollm2_dir):
+    with pytest.raises(UnsupportedModelError) as err:
+        LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=16, tensor_parallel_size=2)
+    msg = str(err.value)
+    assert "num_attention_heads=9" in msg and "tensor_parallel_size=2" in msg
+    assert msg.endswith("degrees that divide every count: 1, 3")
+
+
+def test_smollm2_at_three_ranks_gives_one_ranks_tokens(smollm2_dir):
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32) as one:
+        want = one.chat(messages, params)[0].token_ids
+    with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32,
+             tensor_parallel_size=3) as three:
+        got = three.chat(messages, params)[0].token_ids
+    assert got == want and len(want) == 12
