@@ -128,3 +128,31 @@ def test_sharded_ranks_match_one_rank_and_transformers(kind, size, tmp_path):
         assert got["tokens"] == want_tokens, f"rank {rank}"
         for step, (g, w) in enumerate(zip(got["steps"], want_steps)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"rank {rank} step {step}: {m}")
+
+
+def test_a_vocabulary_the_degree_does_not_divide(tmp_path):
+    """322 rows over 4 ranks: 81, 81, 81 and 79; the short rank's logits are padded to
+    gather and the padding cut, so the rows come back whole and in order."""
+    import transformers
+
+    folder = tmp_path / "odd-vocab"
+    hf_cfg = transformers.LlamaConfig(vocab_size=322, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.8, 1.2) if "norm" in name else p.normal_(0.0, 0.15)
+    hf.save_pretrained(folder)
+    cfg = ModelConfig.from_pretrained(folder)
+    model = CausalLM(cfg, torch.float32)
+    load_weights(model, folder)
+    model.prepare()
+    prompts = _prompts()
+    want_steps, want_tokens = _greedy(model, KVCache(cfg, _num_blocks(prompts), BLOCK, torch.float32), prompts)
+    for rank, got in enumerate(_run_ranks(folder, 4, tmp_path)):
+        assert got["tokens"] == want_tokens, f"rank {rank}"
+        for g, w in zip(got["steps"], want_steps):
+            assert g.shape == w.shape == (len(prompts), 322)
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
