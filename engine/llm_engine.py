@@ -110,8 +110,12 @@ class LLMEngine:
         num_blocks = config.cache.resolve_num_blocks((kv_cfg or config.model).kv_bytes_per_token(config.dtype))
         if layout is not None:  # the other ranks' pools have the same blocks as this one's
             self.ranks = RankGroup(config, num_blocks + 1, limits)
-            model, weights = load_sharded_model(config.model_path, config.model, layout, config.dtype,
-                                                config.device), "loaded"
+            try:
+                model, weights = load_sharded_model(config.model_path, config.model, layout, config.dtype,
+                                                    config.device), "loaded"
+            except BaseException:
+                self.ranks.close()
+                raise
         elif model is None:
             model, weights = CausalLM(config.model, config.dtype, config.device), "loaded"
             load_weights(model, config.model_path)

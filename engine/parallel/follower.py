@@ -10,6 +10,7 @@ whose rank 0 died sees the pipe close and exits.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -23,12 +24,17 @@ from engine.parallel.sharded_weights import load_sharded_model
 from engine.parallel.step_plan import StepPlan
 from engine.step_buffers import StepLimits
 
+GROUP_TIMEOUT_S = 600
+
 
 def join_group(rendezvous: str, size: int, rank: int) -> None:
     """This process's place in the default process group: gloo over loopback (CPU only so
     far: NCCL and a device per rank are not written yet)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one engine share a host
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+    # Bounds the group's forming and any one collective: a rank gone mid-step fails the
+    # others' step within it instead of hanging them (gloo's own default is 30 minutes).
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
 
 
 def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,

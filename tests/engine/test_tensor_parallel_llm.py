@@ -80,3 +80,18 @@ def test_smollm2_at_three_ranks_gives_one_ranks_tokens(smollm2_dir):
              tensor_parallel_size=3) as three:
         got = three.chat(messages, params)[0].token_ids
     assert got == want and len(want) == 12
+
+
+def test_a_killed_rank_fails_the_next_step_instead_of_hanging_it(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
+    engine = _engine(folder, 2)
+    try:
+        follower = engine.ranks._procs[0]
+        follower.kill()
+        follower.join(30)
+        assert follower.exitcode is not None
+        engine.add_request("r0", _prompts()[0], SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 is gone"):
+            engine.step()
+    finally:
+        engine.close()
