@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
 import grpc
@@ -66,27 +65,23 @@ class StreamCall:
 
     def __init__(self, owner: WorkerStreams, stream: int, timeout_s: float | None):
         self._owner, self.stream = owner, stream
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._queue: asyncio.Queue = asyncio.Queue()
         self._done = False
         self._callbacks: list[Callable[[StreamCall], None]] = []
+        # One timer for the stream's deadline, not one per read (a read per token would cost a
+        # task and a timer each).
+        self._timer = None if timeout_s is None else asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     async def read(self):
         """The next GenerateResponse; raises StreamError when the stream failed, or
         asyncio.CancelledError once it was cancelled."""
         queue = self._queue
         if not queue.empty():
-            item = queue.get_nowait()  # the usual case while a stream is busy: no task, no timer
+            item = queue.get_nowait()
         elif self._done:
             raise asyncio.CancelledError()
-        elif self._deadline is None:
-            item = await queue.get()
         else:
-            try:
-                item = await asyncio.wait_for(queue.get(), max(0.0, self._deadline - time.monotonic()))
-            except TimeoutError:
-                self.cancel()
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed") from None
+            item = await queue.get()
         if item is _END:
             raise asyncio.CancelledError()
         if isinstance(item, StreamError):
@@ -104,6 +99,13 @@ class StreamCall:
 
     def done(self) -> bool:
         return self._done
+
+    def _expire(self) -> None:
+        """Its deadline passed: the worker aborts it, and its reader gets DEADLINE_EXCEEDED."""
+        if self._done:
+            return
+        self._owner._cancel(self.stream)
+        self._last(StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
 
     def add_done_callback(self, callback: Callable[[StreamCall], None]) -> None:
         if self._done:
@@ -125,6 +127,8 @@ class StreamCall:
         if self._done:
             return
         self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._owner._forget(self.stream)
         callbacks, self._callbacks = self._callbacks, []
         for callback in callbacks:

@@ -180,3 +180,35 @@ def test_hundreds_of_streams_cost_the_worker_no_thread_each(decode):
     assert peak - idle < 20, (idle, peak)
     s = wait_idle(decode)
     assert s.free_blocks == s.total_blocks and s.running_requests == 0
+
+
+def test_the_gateways_stream_ends_at_its_deadline_and_the_worker_lets_it_go(decode):
+    """gateway/worker_streams.py: a stream past its deadline reads DEADLINE_EXCEEDED (as a
+    per-request call's deadline would) and the worker aborts it; its neighbour on the same
+    call goes on."""
+    import asyncio
+
+    from gateway.worker_streams import WorkerStreams
+    from rpc import auth
+
+    async def run():
+        async with auth.aio_channel(decode.address) as channel:
+            streams = WorkerStreams(channel, decode.address)
+            late = streams.open(_request("late", 400), 1.0)  # 400 steps of >= 20 ms: far past 1 s
+            fine = streams.open(_request("fine", 4), 60.0)
+            with pytest.raises(grpc.RpcError) as failure:
+                while True:
+                    await late.read()
+            tokens = []
+            while True:
+                msg = await fine.read()
+                tokens += msg.token_ids
+                if msg.finish_reason != pb.FINISH_NONE:
+                    break
+            await streams.close()
+            return failure.value.code(), tokens
+
+    code, tokens = asyncio.run(run())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and len(tokens) == 4
+    s = wait_idle(decode)
+    assert s.free_blocks == s.total_blocks and s.running_requests == 0, s
