@@ -45,7 +45,8 @@ def test_serve_streams_a_completion(embedded):
         model="smollm2", messages=CHAT, max_tokens=16, temperature=0, stream=True) if c.choices]
     assert "Paris" in "".join(parts)
     assert answers(url)
-    time.sleep(7)  # three health rounds (2 s apart) and more: every worker passes them
+    rounds = _health_rounds(url)
+    wait_for(lambda: _health_rounds(url) >= rounds + 3, 60, "three health rounds", log)  # every worker passes them
     status = deployment_status(address)
     workers = status["pools"]["prefill"] + status["pools"]["decode"]
     assert [(w["state"], w["restarts"]) for w in workers] == [("ready", 0), ("ready", 0)], workers
@@ -109,13 +110,22 @@ def _load(url: str, stop: threading.Event, results: list[int]) -> None:
                            else -1)
 
 
+def _controller_metric(url: str, name: str, **labels: str) -> float:
+    """A series of the controller's metrics (deploy/metrics.py) in the gateway's /metrics, as
+    of its last push (one health round old at most): what the waits here poll, where a
+    `pdserve status` per poll would join the Ray cluster anew (seconds of CPU each, taken
+    from the workers starting meanwhile). What they wait for is then checked in the status."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def _health_rounds(url: str) -> float:
     """The controller's ok verdicts on the prefill worker so far: one per health round (its
     metrics reach the gateway's /metrics with each round's membership push)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("pdserve_health_verdicts_total{") and 'pool="prefill"' in line
-               and 'verdict="ok"' in line)
+    return _controller_metric(url, "pdserve_health_verdicts_total", pool="prefill", verdict="ok")
 
 
 def test_scaling_up_and_down_under_load_fails_no_request(embedded):
@@ -130,7 +140,8 @@ def test_scaling_up_and_down_under_load_fails_no_request(embedded):
         try:
             scaling = pool.submit(pdserve, "scale", "--address", address, "--decode", "2", "--prefill", "1",
                                   timeout=240)
-            wait_for(lambda: deployment_status(address)["starting"], 120, "the new decode worker placed", log)
+            wait_for(lambda: _controller_metric(url, "pdserve_pool_workers", pool="decode", state="starting"), 120,
+                     "the new decode worker placed", log)
             rounds = _health_rounds(url)
             wait_for(lambda: _health_rounds(url) >= rounds + 2, 60, "two health rounds during the scale", log)
             assert not scaling.done() and deployment_status(address)["starting"][0]["role"] == "decode"
@@ -156,6 +167,7 @@ def test_scaling_up_and_down_under_load_fails_no_request(embedded):
 def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
     url, address, log = embedded
     before = deployment_status(address)["pools"]["decode"][0]
+    adopted = _controller_metric(url, "pdserve_health_verdicts_total", pool="decode", verdict="adopted")
     body = {"model": "smollm2", "messages": CHAT, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
         lines = (line for line in resp.iter_lines() if line.startswith("data: "))
@@ -164,6 +176,8 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
         rest = list(lines)  # ends: an error event, then [DONE]; never a hang
     assert rest[-1] == "data: [DONE]" and "error" in rest[-2], rest[-3:]
     wait_for(lambda: not psutil.pid_exists(before["pid"]), 10, "the orphaned worker process exiting")
+    wait_for(lambda: _controller_metric(url, "pdserve_health_verdicts_total", pool="decode", verdict="adopted")
+             > adopted, 120, "a new decode incarnation adopted", log)
 
     def replaced():
         now = deployment_status(address)["pools"]["decode"][0]
@@ -203,6 +217,9 @@ def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded):
             wait_for(lambda: len(results) > served + 4, 60, "requests served by two decode workers")
 
             os.kill(became["host_pid"], signal.SIGKILL)  # Ray restarts the host: its process starts as prefill
+            wait_for(lambda: _controller_metric(url, "pdserve_role_changes_total", from_pool="prefill",
+                                                to_pool="decode", outcome="restored"), 180,
+                     "the moved worker restored to the decode pool", log)
 
             def restored():
                 now = deployment_status(address)["pools"]["decode"][-1]
@@ -273,7 +290,8 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
         assert busy and all(v.ok for v in verdicts), [v for v in verdicts if not v.ok][:3]
         assert max(v.longest_step_s for v in busy) > 1.0, busy[-1]  # steps outlasted the deadline
         assert codes == [200] * 3, codes
-        workers = deployment_status(address)["pools"]["prefill"] + deployment_status(address)["pools"]["decode"]
+        pools = deployment_status(address)["pools"]
+        workers = pools["prefill"] + pools["decode"]
         assert [w["restarts"] for w in workers] == [0, 0], workers
         assert "replacing it" not in log.read_text(), log.read_text()[-3000:]
 
