@@ -30,14 +30,30 @@ def _pool_sizes(address: str) -> tuple[int, int]:
     return len(pools["prefill"]), len(pools["decode"])
 
 
+def _ready_in_metrics(url: str) -> tuple[int, int]:
+    """The pools' ready workers as the controller last pushed them to the gateway's /metrics:
+    what the wait for a move polls (`pdserve status` joins the Ray cluster anew, seconds of
+    CPU a call, which a poll every half second would take from the workers being measured)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ready = {"prefill": 0, "decode": 0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for s in family.samples:
+            if s.name == "pdserve_pool_workers" and s.labels.get("state") == "ready" and s.labels.get("pool") in ready:
+                ready[s.labels["pool"]] += int(s.value)
+    return ready["prefill"], ready["decode"]
+
+
 def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, tmp_path):
     """1 prefill + 2 decode workers under prompt-heavy load: the planner moves a worker to
     prefill; then under output-heavy load it moves one back to decode. No request fails."""
     from deploy.planner.profile import measure
 
     # decode batches up to the 24 clients of the second phase: a fit over batches 1 and 4 alone
-    # can come out flat in batch on a noisy host (then no split looks better for decoding)
-    grid = {"prefill": [32, 256], "long_prompt": 1024, "decode_batch": [1, 8, 24], "decode_context": [64, 256]}
+    # can come out flat in batch on a noisy host (then no split looks better for decoding);
+    # contexts around the second phase's (~20 prompt + 64 output tokens): each point's batch is
+    # prefilled first, so longer ones would cost the measurement most of its time
+    grid = {"prefill": [32, 256], "long_prompt": 1024, "decode_batch": [1, 8, 24], "decode_context": [32, 128]}
     measure(str(smollm2_dir), "auto", 1, grid, say=lambda m: None).save(tmp_path / "profile.json")
     (tmp_path / "planner.yaml").write_text(
         # 512 KV blocks each: the moves are about scheduling, not memory (the suite runs beside it)
@@ -51,8 +67,10 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
     story = "Tell me a long story about the sea and its ships. " * 60  # ~700 tokens
+    # The second phase's outputs are 3x its prompts: output-heavy, and each window's requests
+    # finish within a few dozen decode steps.
     phases = [({"model": "smollm2", "prompt": story, "max_tokens": 2, "ignore_eos": True}, 2, (2, 1)),
-              ({"model": "smollm2", "prompt": "Count:", "max_tokens": 128, "ignore_eos": True}, 24, (1, 2))]
+              ({"model": "smollm2", "prompt": "Count:", "max_tokens": 64, "ignore_eos": True}, 24, (1, 2))]
     with serving(log, "--config", str(tmp_path / "planner.yaml"), "--port", str(port), "--num-cpus", "5") \
             as (_, address):
         assert _pool_sizes(address) == (1, 2)
@@ -62,9 +80,10 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 loads = [pool.submit(_closed_loop, url, stop, body, results) for _ in range(clients)]
                 try:
-                    wait_for(lambda: _pool_sizes(address) == target, 180, f"the planner moving to {target}", log)
+                    wait_for(lambda: _ready_in_metrics(url) == target, 180, f"the planner moving to {target}", log)
                 finally:
                     stop.set()
+                assert _pool_sizes(address) == target  # the deployment's own status agrees
                 for f in loads:
                     f.result()
         assert "planner: " in log.read_text() and results and set(results) == {200}, set(results)
