@@ -14,9 +14,19 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 torch.set_num_threads(1)
 
 # `make test` runs two pytest-xdist workers, each taking whole files (module fixtures are
-# shared within a file). The longest files go first, split between the workers at the
-# start, so that none of them starts last and finishes alone.
-LONGEST_FIRST = ("test_deploy_planner.py", "test_chaos.py", "test_deploy.py", "test_deploy_security.py")
+# shared within a file) in this order, a file as the last one it took runs out: the files of
+# 15 s or more, longest first (as timed alone on a 2-core host), then the rest in pytest's
+# order. So the last files either worker takes are short ones, and the two finish close
+# together: the suite takes as long as the slower one. A file that grows past 15 s joins
+# the list at its length.
+LONGEST_FIRST = (
+    "test_chaos.py", "test_deploy.py", "test_deploy_planner.py",  # 300-450 s, 230-330 s, 80-120 s
+    "test_drain.py", "test_deploy_security.py", "test_gateway_limits.py", "test_workers.py",  # 60-80 s
+    "test_replay.py", "test_tensor_parallel.py",  # 40-50 s
+    "test_planner.py", "test_structured_output.py", "test_gateway_processes.py", "test_gateway_admin.py",
+    "test_gguf_convert.py", "test_tensor_parallel_llm.py", "test_role_change.py", "test_parallel_choices.py",
+    "test_gateway_tenants.py", "test_transfer.py", "test_gateway_faults.py",  # 15-30 s
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
