@@ -147,7 +147,7 @@ def test_the_setting_is_read_from_the_environment(monkeypatch):
         monkeypatch.setenv("PDSERVE_DTYPE_CALIBRATION", value)
         assert CalibrationMode.from_env() == mode
     monkeypatch.setenv("PDSERVE_DTYPE_CALIBRATION", "sometimes")
-    with pytest.raises(ValueError, match="auto, off or always"):
+    with pytest.raises(ValueError, match="PDSERVE_DTYPE_CALIBRATION=.sometimes.: use one of auto, off, always"):
         CalibrationMode.from_env()
 
 
