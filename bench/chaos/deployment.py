@@ -8,12 +8,10 @@ import json
 import os
 import re
 import secrets
-import selectors
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import yaml
 
 from bench.chaos.client import until
 from bench.chaos.sizes import KV_BLOCKS, MAX_OUTPUT_TOKENS, RECOVERY_TIMEOUT_S, Sizes
+from bench.chaos.status_feed import StatusFeed
 from common import envs
 from rpc import auth
 from rpc import pdserve_pb2 as pb
@@ -68,8 +67,7 @@ class Deployment:
                     envs.FAULT_TRANSFER_FILE: str(self.transfer_fault_file)}
         self._channels: dict[str, grpc.Channel] = {}
         self._token_before: str | None = None
-        self._feed: subprocess.Popen | None = None  # bench/chaos/status_feed.py, once status is asked for
-        self._feed_lock = threading.Lock()
+        self._feed: StatusFeed | None = None  # from start to stop; its driver joins at the first question
 
     def config(self, token: str) -> dict:
         gateway = {"max_ttft_s": self.max_ttft_s, "max_output_tokens": MAX_OUTPUT_TOKENS, **self.gateway_settings}
@@ -101,12 +99,15 @@ class Deployment:
                 raise RuntimeError(f"pdserve serve did not start:\n{self.log_text()[-3000:]}")
             time.sleep(0.5)
         self.address = re.search(r"Ray cluster at (\S+)", self.log_text()).group(1)
+        self._feed = StatusFeed(self.address, self.env, self.workdir / "status-feed.log")
 
     def stop(self) -> tuple[int | None, list[str]]:
         """SIGTERM (the driver stops everything it started); its exit code and any process left."""
         if self.proc is None:
             return None, []
-        self._close_feed()
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
         tree = self.tree()
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -150,45 +151,12 @@ class Deployment:
         except psutil.NoSuchProcess:
             return []
 
-    def status(self, timeout_s: float = 120.0) -> dict:
+    def status(self) -> dict:
         """What `pdserve status --json` prints, from one Ray driver kept open for the
         deployment's life (bench/chaos/status_feed.py): a new driver per call costs seconds of CPU."""
-        with self._feed_lock:
-            if self._feed is None or self._feed.poll() is not None:
-                self._close_feed()
-                with open(self.workdir / "status-feed.log", "ab") as log:
-                    self._feed = subprocess.Popen([sys.executable, "-m", "bench.chaos.status_feed", self.address],
-                                                  cwd=REPO, env=self.env, stdin=subprocess.PIPE,
-                                                  stdout=subprocess.PIPE, stderr=log)
-            try:
-                self._feed.stdin.write(b"\n")
-                self._feed.stdin.flush()
-                line = _read_line(self._feed.stdout, timeout_s)
-            except OSError:  # it died between the question and the answer
-                line = b""
-            if not line:  # ended, or silent: a late answer must not be read as the next one's
-                self._close_feed(kill=True)
-        answer = json.loads(line) if line else {"error": "no answer"}
-        if "error" in answer:
-            log = (self.workdir / "status-feed.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"pdserve status failed: {answer['error']}\n{log}")
-        return answer["status"]
-
-    def _close_feed(self, kill: bool = False) -> None:
         if self._feed is None:
-            return
-        if kill:
-            self._feed.kill()
-        try:
-            self._feed.stdin.close()  # its loop ends; it leaves the cluster
-        except OSError:
-            pass
-        try:
-            self._feed.wait(30)
-        except subprocess.TimeoutExpired:
-            self._feed.kill()
-            self._feed.wait()
-        self._feed = None
+            raise RuntimeError("the deployment is not running")
+        return self._feed.status()
 
     def workers(self) -> list[dict]:
         return [slot for pool in self.status()["pools"].values() for slot in pool]
@@ -277,21 +245,4 @@ class Deployment:
 
 async def _true(value: object) -> bool:
     return bool(value)
-
-
-def _read_line(pipe, timeout_s: float) -> bytes:
-    """One line from `pipe` (unbuffered reads, so nothing is left in a buffer between
-    questions); b"" if it ends or is silent for `timeout_s`."""
-    line, deadline = b"", time.monotonic() + timeout_s
-    with selectors.DefaultSelector() as sel:
-        sel.register(pipe, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                return b""
-            chunk = os.read(pipe.fileno(), 65536)
-            if not chunk:
-                return b""
-            line += chunk
-    return line
 

@@ -20,6 +20,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from bench.chaos.status_feed import StatusFeed
 from bench.harness.deploy_procs import BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, serving, wait_for
 from bench.harness.worker_procs import REPO, free_port
 
@@ -33,6 +34,17 @@ def embedded(smollm2_dir, tmp_path_factory):
     with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4",
                  env={"PDSERVE_FAULT_STALL_FILE": str(log.with_name("stall"))}) as (proc, address):
         yield f"http://127.0.0.1:{port}", address, log
+
+
+@pytest.fixture(scope="module")
+def status(embedded):
+    """The embedded deployment's status, what `pdserve status --json` prints, from one Ray
+    driver kept open (bench/chaos/status_feed.py): the command joins the cluster anew each
+    time, seconds of CPU taken from the workers these tests start and move. The first test
+    reads it through the command itself."""
+    feed = StatusFeed(embedded[1], ENV, embedded[2].with_name("status-feed.log"))
+    yield feed.status
+    feed.close()
 
 
 def test_serve_streams_a_completion(embedded):
@@ -128,7 +140,7 @@ def _health_rounds(url: str) -> float:
     return _controller_metric(url, "pdserve_health_verdicts_total", pool="prefill", verdict="ok")
 
 
-def test_scaling_up_and_down_under_load_fails_no_request(embedded):
+def test_scaling_up_and_down_under_load_fails_no_request(embedded, status):
     """While a new worker loads (held before its warm-up here), health rounds go on: a scale
     holds the controller's lock only to change the pools, never through a worker's start."""
     url, address, log = embedded
@@ -144,12 +156,12 @@ def test_scaling_up_and_down_under_load_fails_no_request(embedded):
                      "the new decode worker placed", log)
             rounds = _health_rounds(url)
             wait_for(lambda: _health_rounds(url) >= rounds + 2, 60, "two health rounds during the scale", log)
-            assert not scaling.done() and deployment_status(address)["starting"][0]["role"] == "decode"
+            assert not scaling.done() and status()["starting"][0]["role"] == "decode"
             stall.unlink()
             up = scaling.result()
             assert up.returncode == 0, up.stderr
-            status = deployment_status(address)
-            assert len(status["pools"]["decode"]) == 2 and all(s["state"] == "ready" for s in status["pools"]["decode"])
+            decode = status()["pools"]["decode"]
+            assert len(decode) == 2 and all(s["state"] == "ready" for s in decode)
             served_before = len(results)
             wait_for(lambda: len(results) > served_before + 4, 60, "requests served by the larger pool")
             down = pdserve("scale", "--address", address, "--decode", "1", timeout=240)
@@ -161,12 +173,12 @@ def test_scaling_up_and_down_under_load_fails_no_request(embedded):
         for f in loads:
             f.result()
     assert results and set(results) == {200}, results
-    assert [s["worker_id"] for s in deployment_status(address)["pools"]["decode"]] == ["0"]
+    assert [s["worker_id"] for s in status()["pools"]["decode"]] == ["0"]
 
 
-def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
+def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded, status):
     url, address, log = embedded
-    before = deployment_status(address)["pools"]["decode"][0]
+    before = status()["pools"]["decode"][0]
     adopted = _controller_metric(url, "pdserve_health_verdicts_total", pool="decode", verdict="adopted")
     body = {"model": "smollm2", "messages": CHAT, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as resp:
@@ -180,7 +192,7 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
              > adopted, 120, "a new decode incarnation adopted", log)
 
     def replaced():
-        now = deployment_status(address)["pools"]["decode"][0]
+        now = status()["pools"]["decode"][0]
         return now["state"] == "ready" and now["incarnation"] != before["incarnation"] and now
     after = wait_for(replaced, 120, "a new decode incarnation", log)
     assert after["restarts"] >= 1 and after["address"] != before["address"]
@@ -195,20 +207,20 @@ def test_a_killed_worker_actor_is_replaced_and_serving_resumes(embedded):
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded):
+def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded, status):
     """1 prefill + 1 decode -> 0 + 2 -> 1 + 1 under load: each move drains a worker and changes
     its role in its own process (weights kept, no new worker placed). Between the two, the
     moved worker's host is killed: Ray restarts it as what it was placed as (a prefill
     worker) and the controller puts it back in the decode pool. No request fails."""
     url, address, log = embedded
-    moved = deployment_status(address)["pools"]["prefill"][0]
+    moved = status()["pools"]["prefill"][0]
     stop, results = threading.Event(), []
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         loads = [pool.submit(_load, url, stop, results) for _ in range(2)]
         try:
             to_decode = pdserve("scale", "--address", address, "--prefill", "0", "--decode", "2", timeout=240)
             assert to_decode.returncode == 0, to_decode.stderr
-            now = deployment_status(address)["pools"]
+            now = status()["pools"]
             assert now["prefill"] == [] and len(now["decode"]) == 2, now
             became = now["decode"][-1]  # the same process and host; a new worker id and address
             assert (became["pid"], became["host_pid"]) == (moved["pid"], moved["host_pid"]), (moved, became)
@@ -222,7 +234,7 @@ def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded):
                      "the moved worker restored to the decode pool", log)
 
             def restored():
-                now = deployment_status(address)["pools"]["decode"][-1]
+                now = status()["pools"]["decode"][-1]
                 return now["state"] == "ready" and now["incarnation"] != became["incarnation"] and now
             after = wait_for(restored, 180, "the moved worker back in the decode pool", log)
             assert after["worker_id"] == became["worker_id"] and after["host_pid"] != became["host_pid"]
@@ -231,7 +243,7 @@ def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded):
 
             back = pdserve("scale", "--address", address, "--prefill", "1", "--decode", "1", timeout=240)
             assert back.returncode == 0, back.stderr
-            now = deployment_status(address)["pools"]
+            now = status()["pools"]
             assert now["prefill"][0]["pid"] == after["pid"] and len(now["decode"]) == 1, now
             served = len(results)
             wait_for(lambda: len(results) > served + 2, 60, "requests served after the move back")
