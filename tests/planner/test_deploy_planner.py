@@ -1,6 +1,6 @@
 """The online planner on a real deployment (`pdserve serve`, embedded Ray, SmolLM2): it
 moves workers between the pools as the workload changes, and no request fails. Its own
-module: the longest test of the suite, so it runs beside the others under `make test`.
+module: one of the longest tests of the suite, so it runs beside the others under `make test`.
 """
 
 from __future__ import annotations
@@ -8,10 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import threading
+from contextlib import closing
 
 import httpx
 
-from bench.harness.deploy_procs import deployment_status, serving, wait_for
+from bench.chaos.status_feed import StatusFeed
+from bench.harness.deploy_procs import ENV, serving, wait_for
 from bench.harness.worker_procs import free_port
 
 
@@ -25,8 +27,8 @@ def _closed_loop(url: str, stop: threading.Event, body: dict, results: list[int]
             results.append(http.post(f"{url}/v1/completions", json=payload).status_code)
 
 
-def _pool_sizes(address: str) -> tuple[int, int]:
-    pools = deployment_status(address)["pools"]
+def _pool_sizes(feed: StatusFeed) -> tuple[int, int]:
+    pools = feed.status()["pools"]
     return len(pools["prefill"]), len(pools["decode"])
 
 
@@ -72,8 +74,8 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
     phases = [({"model": "smollm2", "prompt": story, "max_tokens": 2, "ignore_eos": True}, 2, (2, 1)),
               ({"model": "smollm2", "prompt": "Count:", "max_tokens": 64, "ignore_eos": True}, 24, (1, 2))]
     with serving(log, "--config", str(tmp_path / "planner.yaml"), "--port", str(port), "--num-cpus", "5") \
-            as (_, address):
-        assert _pool_sizes(address) == (1, 2)
+            as (_, address), closing(StatusFeed(address, ENV, tmp_path / "status-feed.log")) as feed:
+        assert _pool_sizes(feed) == (1, 2)  # its status, through one Ray driver kept open (not one per read)
         results: list[int] = []
         for body, clients, target in phases:
             stop = threading.Event()
@@ -83,7 +85,7 @@ def test_the_online_planner_follows_the_workload_between_the_pools(smollm2_dir, 
                     wait_for(lambda: _ready_in_metrics(url) == target, 180, f"the planner moving to {target}", log)
                 finally:
                     stop.set()
-                assert _pool_sizes(address) == target  # the deployment's own status agrees
+                assert _pool_sizes(feed) == target  # the deployment's own status agrees
                 for f in loads:
                     f.result()
         assert "planner: " in log.read_text() and results and set(results) == {200}, set(results)
