@@ -74,9 +74,11 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return
-        table = self._tables[request_id]
         hashes = self._hashes[request_id]
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
+        if num_full <= len(hashes):
+            return  # no block filled up since the last call (most decode steps)
+        table = self._tables[request_id]
         if num_full > len(table):
             raise ValueError(f"request {request_id}: {num_full} full blocks but only {len(table)} allocated")
         parent = hashes[-1] if hashes else salt_root(salt)
@@ -106,27 +108,31 @@ class KVCacheManager:
         cannot supply the new blocks.
         """
         table = self._tables.get(request_id)
-        if computed_blocks and table is not None:
+        if table is not None and not computed_blocks:  # a running request grows (every step's case)
+            num_new = -(-num_total_tokens // self.block_size) - len(table)
+            if num_new > 0:
+                new_blocks = self.pool.allocate(num_new)
+                if new_blocks is None:
+                    return None
+                table.extend(new_blocks)
+            return list(table)
+        if table is not None:
             raise ValueError(f"request {request_id}: computed_blocks are only for the first allocation")
+        # The first allocation: the cached head (if any), then new blocks.
         if len(computed_blocks) * self.block_size > num_total_tokens:
             raise ValueError(f"request {request_id}: computed blocks exceed {num_total_tokens} tokens")
         if any(self.pool.block_hash(b) is None for b in computed_blocks):
             raise ValueError(f"request {request_id}: a computed block is no longer cached (allocated in between?)")
-        num_held = len(table) if table is not None else len(computed_blocks)
-        num_needed = -(-num_total_tokens // self.block_size)
-        num_new = max(num_needed - num_held, 0)
+        num_new = max(-(-num_total_tokens // self.block_size) - len(computed_blocks), 0)
         # Touching a cached block that sits in the free queue takes it out of the queue,
         # so those blocks are not available for the new allocation.
         num_revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
         if num_new > self.pool.num_free_blocks - num_revived:
             return None
-
-        if table is None:
-            self.pool.touch(computed_blocks)
-            table = self._tables[request_id] = list(computed_blocks)
-            # The computed blocks are already cached; remember their hashes as progress.
-            hashes = [self.pool.block_hash(b) for b in computed_blocks]
-            self._hashes[request_id] = [h for h in hashes if h is not None]  # all non-None: checked above
+        self.pool.touch(computed_blocks)
+        table = self._tables[request_id] = list(computed_blocks)
+        # The computed blocks are already cached; remember their hashes as progress.
+        self._hashes[request_id] = [self.pool.block_hash(b) for b in computed_blocks]  # all set: checked above
         new_blocks = self.pool.allocate(num_new)
         assert new_blocks is not None  # checked above
         table.extend(new_blocks)

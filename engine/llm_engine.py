@@ -12,6 +12,7 @@ inside the engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -71,8 +72,15 @@ class StepResult:
     outputs: list[RequestOutput]
     preempted: list[str]
     stats: StepStats | None
-    chunks: list[ChunkRun] = field(default_factory=list)
+    scheduled: list[ScheduledChunk] = field(default_factory=list)  # the schedule's chunks, as run
     kv_written: object = None  # on a GPU, an event recorded after the step's KV writes; None on CPU
+
+    @functools.cached_property
+    def chunks(self) -> list[ChunkRun]:
+        """The chunks the step ran, made when first read (a prefill worker's pushes read
+        them; a decode worker's steps need not pay for them): read before the next schedule."""
+        return [ChunkRun(c.seq.request_id, c.block_table, c.start + c.num_new, c.seq.num_cached_tokens)
+                for c in self.scheduled]
 
     @property
     def ran(self) -> bool:
@@ -371,9 +379,7 @@ class LLMEngine:
                 num_cached_tokens=seq.num_cached_tokens,
             ))
         stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
-        chunks = [ChunkRun(c.seq.request_id, c.block_table, c.context_len, c.seq.num_cached_tokens)
-                  for c in out.chunks]
-        return StepResult(deltas, list(out.preempted), stats, chunks, _kv_written_event(self._on_cuda))
+        return StepResult(deltas, list(out.preempted), stats, out.chunks, _kv_written_event(self._on_cuda))
 
 
 def _kv_written_event(on_cuda: bool) -> object:

@@ -113,6 +113,16 @@ class SequenceUpdate:
     finish_reason: FinishReason | None
 
 
+def _importance(seq: Sequence) -> tuple[int, int]:
+    """Sort key: the most important first (lowest priority value, then the oldest)."""
+    return seq.priority, seq.arrival
+
+
+def _is_prefill(todo: tuple[Sequence, int]) -> bool:
+    """Sort key: decodes (one token to compute) before prefill chunks."""
+    return todo[1] > 1
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: frozenset[int]):
         self.config = config
@@ -248,21 +258,23 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=lambda s: (s.priority, s.arrival))
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        self.running.sort(key=_importance)
+        # (sequence, tokens it has not computed); decodes (1) first, then prefill chunks
+        todo = [(s, len(s.token_ids) - s.num_computed_tokens) for s in self.running]
+        todo.sort(key=_is_prefill)  # stable: importance order within each group
         cap = self.config.prefill_chunk_cap
-        for seq in decodes + prefills:
+        for seq, left in todo:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, cap)
-            table, refund = self._allocate_or_preempt(seq, seq.num_computed_tokens + num_new, out)
+            num_new = left if left < budget and left <= cap else min(left, budget, cap)
+            start = seq.num_computed_tokens
+            table, refund = self._allocate_or_preempt(seq, start + num_new, out)
             budget += refund
             if table is None:
                 continue
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new, table))
+            out.chunks.append(ScheduledChunk(seq, start, num_new, table))
             budget -= num_new
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
@@ -284,7 +296,7 @@ class Scheduler:
             table = self.kv.allocate_slots(seq.request_id, num_tokens)
             if table is not None:
                 return table, refund
-            victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+            victim = max(self.running, key=_importance)
             for i, chunk in enumerate(out.chunks):
                 if chunk.seq is victim:
                     refund += chunk.num_new
@@ -329,8 +341,10 @@ class Scheduler:
     def _top_up(self, out: SchedulerOutput, budget: int) -> None:
         """Give the budget left after admission to prefill chunks that the cap cut short,
         those closest to done first (a short prompt finishes in this step)."""
-        order = sorted(range(len(out.chunks)), key=lambda i: out.chunks[i].seq.num_tokens - out.chunks[i].context_len)
-        for i in order:
+        # only chunks short of their sequence's end (a decode never is)
+        short = sorted((left, i) for i, c in enumerate(out.chunks)
+                       if (left := len(c.seq.token_ids) - c.start - c.num_new) > 0)
+        for _, i in short:
             chunk = out.chunks[i]
             if budget == 0:
                 return
@@ -347,14 +361,15 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SequenceUpdate]:
         """Advance progress counters, append sampled tokens, finish and free what ended."""
         updates = []
+        running, cache_blocks = SequenceStatus.RUNNING, self.kv.cache_blocks
         for chunk in out.chunks:
             seq = chunk.seq
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_new
-            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
-            if not chunk.sample:
-                continue
+            cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+            if chunk.start + chunk.num_new != len(seq.token_ids):
+                continue  # a prompt chunk short of its end: nothing sampled (chunk.sample)
             token = sampled[seq.request_id]
             seq.append_token(token)
             reason = self._finish_reason(seq, token)
