@@ -39,9 +39,11 @@ class QueueFull(RuntimeError):
     """The waiting queue is at its bound; the caller should shed or retry elsewhere."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
-    """`num_new` tokens of `seq` starting at position `start`, to compute this step."""
+    """`num_new` tokens of `seq` starting at position `start`, to compute this step.
+    Read-only once made; not frozen, as one is made for every running sequence every step
+    (a frozen dataclass's init costs 3.5x a slotted one's)."""
 
     seq: Sequence
     start: int
@@ -104,9 +106,10 @@ class SchedulerOutput:
         return not self.chunks
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceUpdate:
-    """What one step did to one sequence: tokens appended and, if it ended, why."""
+    """What one step did to one sequence: tokens appended and, if it ended, why. Read-only
+    once made (not frozen, for the same reason as ScheduledChunk)."""
 
     request_id: str
     new_token_ids: list[int]
