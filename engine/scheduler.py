@@ -14,6 +14,7 @@ No tensors here: the output is ids, counts and block ids; the runner builds tens
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import logging
@@ -121,9 +122,9 @@ def _importance(seq: Sequence) -> tuple[int, int]:
     return seq.priority, seq.arrival
 
 
-def _is_prefill(todo: tuple[Sequence, int]) -> bool:
+def _is_prefill(chunk: ScheduledChunk) -> bool:
     """Sort key: decodes (one token to compute) before prefill chunks."""
-    return todo[1] > 1
+    return chunk.num_new > 1
 
 
 class Scheduler:
@@ -198,13 +199,13 @@ class Scheduler:
         self.kv.cache_blocks(request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         if replay:
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             return SequenceUpdate(request_id, [], None)
         seq.append_token(first_token)
         reason = self._finish_reason(seq, first_token)
         if reason is None:
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self._run(seq)
         else:
             self._finish(seq, reason)
         return SequenceUpdate(request_id, [first_token], reason)
@@ -261,10 +262,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=_importance)
-        # (sequence, tokens it has not computed); decodes (1) first, then prefill chunks
-        todo = [(s, len(s.token_ids) - s.num_computed_tokens) for s in self.running]
-        todo.sort(key=_is_prefill)  # stable: importance order within each group
+        # (sequence, tokens it has not computed): decodes first, then prefill chunks, each in
+        # order of importance (the order `running` is kept in)
+        todo = [(s, left) for s in self.running if (left := len(s.token_ids) - s.num_computed_tokens) == 1]
+        todo += [(s, left) for s in self.running if (left := len(s.token_ids) - s.num_computed_tokens) > 1]
         cap = self.config.prefill_chunk_cap
         for seq, left in todo:
             if budget == 0:
@@ -282,9 +283,11 @@ class Scheduler:
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
         if budget > 0:
-            self._top_up(out, budget)
-        # Decodes first, then prefill chunks: the runner batches single-token queries together.
-        out.chunks.sort(key=lambda c: c.num_new > 1)
+            budget = self._top_up(out, budget)
+        # Decodes first, then prefill chunks: the runner batches single-token queries together
+        # (already so when every chunk is one token, as in most steps of a decode pool).
+        if self.config.max_num_batched_tokens - budget != len(out.chunks):
+            out.chunks.sort(key=_is_prefill)
         return out
 
     def _allocate_or_preempt(self, seq: Sequence, num_tokens: int,
@@ -336,30 +339,32 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
-            self.running.append(seq)
+            self._run(seq)
             out.chunks.append(ScheduledChunk(seq, num_cached, num_new, table))
             budget -= num_new
         return budget
 
-    def _top_up(self, out: SchedulerOutput, budget: int) -> None:
+    def _top_up(self, out: SchedulerOutput, budget: int) -> int:
         """Give the budget left after admission to prefill chunks that the cap cut short,
-        those closest to done first (a short prompt finishes in this step)."""
+        those closest to done first (a short prompt finishes in this step); returns what
+        is left of it."""
         # only chunks short of their sequence's end (a decode never is)
         short = sorted((left, i) for i, c in enumerate(out.chunks)
                        if (left := len(c.seq.token_ids) - c.start - c.num_new) > 0)
         for _, i in short:
             chunk = out.chunks[i]
             if budget == 0:
-                return
+                break
             seq = chunk.seq
             extra = min(seq.num_tokens - chunk.context_len, budget)
             if extra <= 0:
                 continue
             table = self.kv.allocate_slots(seq.request_id, chunk.context_len + extra)
             if table is None:
-                return  # no preemption for a top-up: the step is already full enough
+                break  # no preemption for a top-up: the step is already full enough
             out.chunks[i] = ScheduledChunk(seq, chunk.start, chunk.num_new + extra, table)
             budget -= extra
+        return budget
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SequenceUpdate]:
         """Advance progress counters, append sampled tokens, finish and free what ended."""
@@ -383,6 +388,10 @@ class Scheduler:
         return updates
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _run(self, seq: Sequence) -> None:
+        """Into `running`, kept in order of importance (so no step sorts it)."""
+        bisect.insort(self.running, seq, key=_importance)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
