@@ -367,17 +367,13 @@ class LLMEngine:
             self.model.between_layers = None
         seqs = {c.seq.request_id: c.seq for c in out.chunks}
         deltas = []
+        logprobs = result.logprobs
         for upd in self.scheduler.update_from_output(out, result.token_ids):
             seq = seqs[upd.request_id]
-            lp = result.logprobs.get(upd.request_id)
-            deltas.append(RequestOutput(
-                request_id=upd.request_id,
-                prompt_token_ids=seq.prompt_token_ids,
-                token_ids=upd.new_token_ids,
-                finish_reason=upd.finish_reason,
-                logprobs=[lp] if lp is not None else None,
-                num_cached_tokens=seq.num_cached_tokens,
-            ))
+            lp = logprobs.get(upd.request_id) if logprobs else None
+            deltas.append(RequestOutput(upd.request_id, seq.prompt_token_ids, upd.new_token_ids, "",
+                                        upd.finish_reason, [lp] if lp is not None else None,
+                                        seq.num_cached_tokens))
         stats = StepStats(out.num_tokens, len(out.chunks), time.perf_counter() - t0)
         return StepResult(deltas, list(out.preempted), stats, out.chunks, _kv_written_event(self._on_cuda))
 

@@ -370,17 +370,26 @@ class Scheduler:
         """Advance progress counters, append sampled tokens, finish and free what ended."""
         updates = []
         running, cache_blocks = SequenceStatus.RUNNING, self.kv.cache_blocks
-        for chunk in out.chunks:
+        eos, max_len = self.eos_token_ids, self.config.max_model_len
+        for chunk in out.chunks:  # (every step, every sequence: kept to plain operations)
             seq = chunk.seq
             if seq.status is not running:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_new
-            cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
-            if chunk.start + chunk.num_new != len(seq.token_ids):
+            token_ids = seq.token_ids
+            cache_blocks(seq.request_id, token_ids, seq.num_computed_tokens, seq.cache_salt)
+            if chunk.start + chunk.num_new != len(token_ids):
                 continue  # a prompt chunk short of its end: nothing sampled (chunk.sample)
             token = sampled[seq.request_id]
-            seq.append_token(token)
-            reason = self._finish_reason(seq, token)
+            token_ids.append(token)  # seq.append_token, inline
+            seq.output_token_ids.append(token)
+            p = seq.params  # _finish_reason, inline
+            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
+                reason = FinishReason.STOP
+            elif len(seq.output_token_ids) >= p.max_tokens or len(token_ids) >= max_len:
+                reason = FinishReason.LENGTH
+            else:
+                reason = None
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -394,6 +403,7 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_importance)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why `seq` ends with `token` appended, if it does (update_from_output has it inline)."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
