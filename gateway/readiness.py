@@ -52,6 +52,14 @@ class Readiness:
         return await self.shared("metrics", self.backend.all_metrics)
 
     async def loop(self) -> None:
+        """Stats at once, then a health round every interval. The Stats come at start, not
+        an interval later: with several gateway processes on a port, a /ready reaches only
+        one of them, and each must know its workers' sizes (the tenants' default limit) and
+        headroom before the first requests the kernel hands it."""
+        try:
+            await self.observe()
+        except Exception:
+            log.exception("first stats round failed")
         while True:
             await asyncio.sleep(self.interval_s)
             try:

@@ -25,6 +25,8 @@ class TextStream:
         """Text to send now for these new tokens."""
         if self.stopped:
             return ""
+        if not self._stop:  # nothing to search for or hold back (most requests)
+            return self._detok.step(token_ids)
         return self._emit(self._pending, self._detok.step(token_ids), final=False)
 
     def finish(self) -> str:
