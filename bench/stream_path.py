@@ -4,13 +4,15 @@ and after (`worker`: every request on one Streams call, one message per engine s
 by side in one run.
 
     python -m bench.stream_path [--quick] [--batches 32,256,1024] [--steps-ms 5,20,30]
-        [--modes request,worker] [--stream-s 2.5] [--token-budget 150000]
+        [--modes request,worker] [--gateways 1,2] [--stream-s 2.5] [--token-budget 150000]
         [--profile-dir DIR] [--out bench/results/stream_path.json]
 
 The decode worker is the real one with its forward pass replaced by a fixed-time step
 (bench/harness/fixed_time_worker.py: every step lasts step_s, no model, a GPU step's
 stand-in) over a tiny random model whose ids SmolLM2's tokenizer detokenizes; a real
-`python -m gateway` serves it. N streaming clients (/v1/completions, stream, ignore_eos,
+`python -m gateway` serves it (`--gateways G`: G gateway processes on its port,
+`--processes G`, for the worker mode; the figures are then the front's and the children's
+together). N streaming clients (/v1/completions, stream, ignore_eos,
 max_tokens M, a 4-token prompt) open at once, so the decode batch is N; they share one
 process and one asyncio loop over raw sockets (a minimal HTTP/1.1 client that timestamps
 each read and counts its SSE `data:` lines), cheap beside the worker and the gateway on a
@@ -101,8 +103,24 @@ def _threads(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
 
 
-def _child_pid(marker: bytes) -> int:
-    """The pid of this process's child whose command line holds `marker`."""
+def _group_cpu_s(pids: list[int]) -> float:
+    """utime + stime of a group of processes (a gateway's front and its children), in seconds."""
+    return sum(_cpu_s(p) for p in pids)
+
+
+def _group_threads(pids: list[int]) -> int:
+    return sum(_threads(p) for p in pids)
+
+
+def _child_pid(marker: bytes, parent: int | None = None) -> int:
+    """The pid of this process's child (or `parent`'s) whose command line holds `marker`."""
+    return _children(marker, parent)[0]
+
+
+def _children(marker: bytes, parent: int | None = None) -> list[int]:
+    """The pids of this process's children (or `parent`'s) whose command lines hold `marker`."""
+    parent = os.getpid() if parent is None else parent
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -113,9 +131,11 @@ def _child_pid(marker: bytes) -> int:
                 cmdline = f.read()
         except OSError:
             continue
-        if ppid == os.getpid() and marker in cmdline:
-            return int(entry)
-    raise RuntimeError(f"no child process runs {marker!r}")
+        if ppid == parent and marker in cmdline:
+            found.append(int(entry))
+    if not found:
+        raise RuntimeError(f"no child process of {parent} runs {marker!r}")
+    return found
 
 
 @dataclass
@@ -125,15 +145,16 @@ class ServingPath:
     url: str
     worker: WorkerProc
     worker_pid: int
-    gateway_pid: int
+    gateway_pids: list[int]  # the one gateway process, or the front and its children (--gateways N)
 
 
 @contextlib.contextmanager
 def serving_path(model: Path, step_s: float, mode: str, max_batch: int, max_tokens: int, logs: Path,
-                 step_times: Path, profile: Path | None = None):
+                 step_times: Path, profile: Path | None = None, gateways: int = 1):
     """A fixed-time decode worker with room for `max_batch` streams of `max_tokens`, and a
-    gateway over it reading its streams the `mode` way. When it stops the worker writes its
-    steps' times to `step_times`, and with `profile` its threads' cProfile statistics."""
+    gateway over it (`gateways` processes on its port) reading its streams the `mode` way.
+    When it stops the worker writes its steps' times to `step_times`, and with `profile`
+    its threads' cProfile statistics."""
     blocks_per_stream = math.ceil((len(PROMPT) + max_tokens + 1) / 16)
     args = ["--step-s", str(step_s), "--dtype", "float32", "--no-transfer",
             "--max-num-seqs", str(max_batch), "--max-waiting", str(max_batch),
@@ -147,9 +168,13 @@ def serving_path(model: Path, step_s: float, mode: str, max_batch: int, max_toke
         # what this measures): --max-ttft an hour.
         room = ["--decode-streams", mode, "--max-connections", str(4 * max_batch + 64),
                 "--max-connections-per-ip", str(4 * max_batch + 64), "--max-ttft", "3600"]
-        with gateway(model, [worker.address], [], logs / f"gateway-{mode}-{step_s:g}.log", *room) as url:
+        if gateways > 1:
+            room += ["--processes", str(gateways)]
+        with gateway(model, [worker.address], [], logs / f"gateway-{mode}-{gateways}-{step_s:g}.log", *room) as url:
             assert httpx.get(f"{url}/ready", timeout=60).json() == {"ready": True}  # it has the pool's size
-            yield ServingPath(url, worker, worker.proc.pid, _child_pid(b"-m\0gateway\0"))
+            front = _child_pid(b"-m\0gateway\0")
+            yield ServingPath(url, worker, worker.proc.pid,
+                              [front, *(_children(b"-m\0gateway\0", front) if gateways > 1 else [])])
     finally:
         worker.stop()
 
@@ -209,22 +234,24 @@ class Stream(asyncio.Protocol):
         self.ended.set_result(None)
 
 
-async def _clients(url: str, n: int, max_tokens: int, pids: tuple[int, int]) -> tuple[list[Stream], float, list[int]]:
-    """N streams at once; (the streams, the start time, the most threads each pid had)."""
+async def _clients(url: str, n: int, max_tokens: int,
+                   groups: tuple[list[int], ...]) -> tuple[list[Stream], float, list[int]]:
+    """N streams at once; (the streams, the start time, the most threads each group of
+    processes had at once)."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"model": "smollm2", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
                        "ignore_eos": True, "temperature": 0}).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
     loop = asyncio.get_running_loop()
-    peaks = [_threads(p) for p in pids]
+    peaks = [_group_threads(g) for g in groups]
     streams = [Stream(request) for _ in range(n)]
 
     async def sample() -> None:
         while True:
             await asyncio.sleep(0.05)
-            for i, p in enumerate(pids):
-                peaks[i] = max(peaks[i], _threads(p))
+            for i, g in enumerate(groups):
+                peaks[i] = max(peaks[i], _group_threads(g))
 
     async def run(s: Stream) -> None:
         try:
@@ -297,18 +324,18 @@ def worker_cadence(step_times: Path, row: dict) -> dict:
 
 def measure(path: ServingPath, mode: str, batch: int, step_s: float, max_tokens: int) -> dict:
     load = os.getloadavg()[0]
-    pids = (path.worker_pid, path.gateway_pid)
-    cpu0 = [_cpu_s(p) for p in pids]
+    groups = ([path.worker_pid], path.gateway_pids)
+    cpu0 = [_group_cpu_s(g) for g in groups]
     me0 = resource.getrusage(resource.RUSAGE_SELF)
-    streams, started, peaks = asyncio.run(_clients(path.url, batch, max_tokens, pids))
+    streams, started, peaks = asyncio.run(_clients(path.url, batch, max_tokens, groups))
     ended = time.monotonic()
-    cpu = [_cpu_s(p) - c for p, c in zip(pids, cpu0)]
+    cpu = [_group_cpu_s(g) - c for g, c in zip(groups, cpu0)]
     me1 = resource.getrusage(resource.RUSAGE_SELF)
     client_cpu = (me1.ru_utime - me0.ru_utime) + (me1.ru_stime - me0.ru_stime)
     failed = [s for s in streams if s.error or s.tokens != max_tokens]
     tokens = sum(s.tokens for s in streams)
     idle = wait_idle(path.worker)
-    row = {"mode": mode, "batch": batch, "step_s": step_s, "max_tokens": max_tokens, "load_1m": load,
+    row = {"mode": mode, "gateways": len(path.gateway_pids) - (len(path.gateway_pids) > 1), "batch": batch, "step_s": step_s, "max_tokens": max_tokens, "load_1m": load,
            "streams_ok": batch - len(failed), "failures": [s.error or f"{s.tokens} tokens" for s in failed[:3]],
            "tokens": tokens, "wall_s": ended - started, "ideal_tok_s": batch / step_s,
            "worker_cpu_s": cpu[0], "gateway_cpu_s": cpu[1], "client_cpu_s": client_cpu,
@@ -358,14 +385,15 @@ def _ratio(after, before) -> float | None:
 
 
 def compare(rows: list[dict]) -> list[dict]:
-    """Per (batch, step_s) with both modes: after/before of the figures that matter."""
-    by = {(r["mode"], r["batch"], r["step_s"]): r for r in rows}
+    """Per (batch, step_s, gateways) with both modes: after/before of the figures that
+    matter (`worker` with N gateway processes against `request` with one)."""
+    by = {(r["mode"], r["batch"], r["step_s"], r["gateways"]): r for r in rows}
     out = []
-    for (mode, batch, step_s), after in by.items():
-        before = by.get(("request", batch, step_s))
+    for (mode, batch, step_s, gateways), after in by.items():
+        before = by.get(("request", batch, step_s, 1))
         if mode != "worker" or before is None:
             continue
-        out.append({"batch": batch, "step_s": step_s,
+        out.append({"batch": batch, "step_s": step_s, "gateways": gateways,
                     "delivered": _ratio(after["delivered_tok_s"], before["delivered_tok_s"]),
                     "worker_cpu_cut": _ratio(before["worker_cpu_us_per_token"], after["worker_cpu_us_per_token"]),
                     "gateway_cpu_cut": _ratio(before["gateway_cpu_us_per_token"], after["gateway_cpu_us_per_token"]),
@@ -380,6 +408,7 @@ def _cell(value, fmt: str, width: int) -> str:
 # (heading, width, the cell of a run): the table's columns
 _COLUMNS = [
     ("mode", 8, lambda r: r["mode"]),
+    ("gw", 2, lambda r: str(r["gateways"])),
     ("batch", 5, lambda r: str(r["batch"])),
     ("step ms", 7, lambda r: f"{r['step_s'] * 1e3:g}"),
     ("M", 4, lambda r: str(r["max_tokens"])),
@@ -416,11 +445,11 @@ def print_table(result: dict) -> None:
     if result["after_over_before"]:
         print("\nafter (worker) / before (request):")
         heads = ("delivered", "worker CPU/token cut", "gateway CPU/token cut", "worker threads")
-        print(f"{'batch':>5} {'step ms':>7} " + " ".join(h.rjust(len(h)) for h in heads))
+        print(f"{'batch':>5} {'step ms':>7} {'gw':>2} " + " ".join(h.rjust(len(h)) for h in heads))
         for c in result["after_over_before"]:
             cells = [_cell(c[k], ".2f", len(h) - 1) + "x" if c[k] is not None else "n/a".rjust(len(h))
                      for k, h in zip(("delivered", "worker_cpu_cut", "gateway_cpu_cut", "worker_threads"), heads)]
-            print(f"{c['batch']:5d} {c['step_s'] * 1e3:7g} " + " ".join(cells))
+            print(f"{c['batch']:5d} {c['step_s'] * 1e3:7g} {c['gateways']:2d} " + " ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="32,256,1024", help="concurrent streams per configuration")
     p.add_argument("--steps-ms", default="5,20,30", help="engine step times, in milliseconds")
     p.add_argument("--modes", default=",".join(MODES), help="gateway --decode-streams modes to run")
+    p.add_argument("--gateways", default="1",
+                   help="comma-separated gateway process counts for the worker mode (--processes N); "
+                        "the request mode (before) runs with one")
     p.add_argument("--stream-s", type=float, default=2.5, help="seconds of steady streaming at the ideal rate")
     p.add_argument("--token-budget", type=int, default=150_000, help="most tokens one configuration streams")
     p.add_argument("--profile-dir", default=None,
@@ -440,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = sorted(int(b) for b in args.batches.split(","))
     steps = [float(s) / 1e3 for s in args.steps_ms.split(",")]
     modes = [m for m in MODES if m in args.modes.split(",")]
+    gateway_counts = sorted(int(g) for g in args.gateways.split(","))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the clients' sockets, and the gateway's (inherited)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * max(batches) + 1024)), hard))
 
@@ -450,18 +483,20 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"host {result['host_cpu']}, load {result['load_at_start']:.2f}; logs in {work}")
     for step_s in steps:
         longest = max(max_tokens_for(b, step_s, args.stream_s, args.token_budget) for b in batches)
-        for mode in modes:
-            profile = Path(args.profile_dir) / f"worker-{mode}-{step_s * 1e3:g}ms.prof" if args.profile_dir else None
-            step_times, rows = work / f"steps-{mode}-{step_s * 1e3:g}ms.txt", []
-            with serving_path(model, step_s, mode, max(batches), longest, work, step_times, profile) as path:
-                asyncio.run(_clients(path.url, 4, 8, (path.worker_pid, path.gateway_pid)))  # a first call each way
+        for mode, gateways in [(m, g) for m in modes for g in (gateway_counts if m == "worker" else [1])]:
+            name = f"{mode}-{gateways}gw-{step_s * 1e3:g}ms"
+            profile = Path(args.profile_dir) / f"worker-{name}.prof" if args.profile_dir else None
+            step_times, rows = work / f"steps-{name}.txt", []
+            with serving_path(model, step_s, mode, max(batches), longest, work, step_times, profile,
+                              gateways) as path:
+                asyncio.run(_clients(path.url, 4, 8, ([path.worker_pid], path.gateway_pids)))  # a first call each way
                 wait_idle(path.worker)
                 for batch in batches:
                     m = max_tokens_for(batch, step_s, args.stream_s, args.token_budget)
                     row = measure(path, mode, batch, step_s, m)
                     rows.append(row)
                     rate = row["delivered_tok_s"]
-                    _say(f"{mode:>7} batch {batch} step {step_s * 1e3:g} ms: "
+                    _say(f"{mode:>7} x{gateways} batch {batch} step {step_s * 1e3:g} ms: "
                          + (f"{rate:.0f} tok/s = {row['of_ideal']:.2f}x ideal, " if rate is not None else
                             f"{row['streams_ok']}/{batch} ok {row['failures']}, ")
                          + f"worker {row['worker_cpu_us_per_token']:.1f} us/token, "
