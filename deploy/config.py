@@ -110,9 +110,15 @@ class GatewaySettings:
     # decode worker's output at GPU rates); tenant limits and /metrics count across them
     # (gateway/processes.py). `pdserve serve --gateways N` sets it.
     processes: int = 1
+    # How the gateway reads its decode workers' tokens: "worker", one Streams call per decode
+    # worker carrying every request (one message per engine step); "request", the earlier
+    # path, one Generate call per request (kept to compare the two: bench/stream_path.py).
+    decode_streams: str = "worker"
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
+        _require(self.decode_streams in ("worker", "request"), "decode_streams",
+                 f"must be worker or request, got {self.decode_streams!r}")
         _require(open_bind_refusal(self.host, self.tenants is not None, self.insecure_no_api_keys) is None, "host",
                  f"{self.host} with no tenants file would serve anyone who reaches it with no key: set "
                  "gateway.tenants (a JSON file of API keys), bind 127.0.0.1, or set "
@@ -138,6 +144,8 @@ class GatewaySettings:
             args.append(OPT_IN_FLAG)
         if self.processes != 1:
             args += ["--processes", str(self.processes)]
+        if self.decode_streams != "worker":
+            args += ["--decode-streams", self.decode_streams]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-factor", type=float, default=None,
                     help="make every engine step this many times slower (PDSERVE_FAULT_SLOW_FACTOR): a slower host")
+    ap.add_argument("--decode-streams", choices=("worker", "request"), default="worker",
+                    help="the gateway's way to its decode workers (YAML gateway.decode_streams): one Streams "
+                         "call per worker (the default) or the earlier Generate call per request, to compare")
     args = ap.parse_args(argv)
     if args.slow_factor is not None:
         if args.slow_factor < 1:
@@ -55,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     for group, options in groups:
         if not group:
             continue
+        if args.decode_streams != "worker":
+            options = {**options, "gateway": {**options.get("gateway", {}), "decode_streams": args.decode_streams}}
         dep = Deployment(Path(tempfile.mkdtemp(prefix="pdserve-chaos-")), sizes, **options)
-        _say(f"starting pdserve serve for {', '.join(group)}, TTFT bound {dep.max_ttft_s} (log: {dep.log})")
+        _say(f"starting pdserve serve for {', '.join(group)}, TTFT bound {dep.max_ttft_s}, decode streams "
+             f"{args.decode_streams} (log: {dep.log})")
         dep.start()
         ctx = Chaos(dep, sizes, random.Random(args.seed))
         try:
@@ -75,6 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         from kernels.host import cpu
 
         Path(args.json).write_text(json.dumps({"sizes": asdict(sizes), "host": cpu().describe(),
-                                               "slow_factor": envs.fault_slow_factor(),
+                                               "slow_factor": envs.fault_slow_factor(), "decode_streams": args.decode_streams,
                                                "results": [asdict(r) for r in results]}, indent=1, default=str))
     return 0 if not trouble and not any(r.problems() for r in results) else 1

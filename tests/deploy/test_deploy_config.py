@@ -120,6 +120,8 @@ def test_wrong_types_say_what_was_expected(tmp_path, text, message):
     ("decode: {resources: {GPU: 1}}\n", "decode.resources.GPU: use num_cpus / num_gpus instead"),
     ("gateway: {port: 70000}\n", "gateway.port: must be in 0..65535, got 70000"),
     ("gateway: {max_ttft_s: 0}\n", "gateway.max_ttft_s: must be more than 0"),
+    ("gateway: {processes: 0}\n", "gateway.processes: must be at least 1, got 0"),
+    ("gateway: {decode_streams: batched}\n", "gateway.decode_streams: must be worker or request, got 'batched'"),
     ("dtype: fp8\n", "dtype: must be one of auto, bfloat16, float32, float16, got 'fp8'"),
     ("unhealthy_after: 0\n", "unhealthy_after: must be at least 1, got 0"),
     ("health_interval_s: 0\n", "health_interval_s: must be more than 0"),
@@ -185,10 +187,11 @@ def test_gateway_args_only_name_what_is_set():
     assert GatewaySettings().args() == ["--host", "127.0.0.1", "--port", "8000", "--max-ttft", "60.0",
                                         "--max-body-bytes", "1048576"]
     full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64,
-                           max_prompt_tokens=4000, max_body_bytes=4096, request_timeout_s=900.0)
+                           max_prompt_tokens=4000, max_body_bytes=4096, request_timeout_s=900.0, processes=2,
+                           decode_streams="request")
     assert full.args() == ["--host", "0.0.0.0", "--port", "80", "--tenants", "t.json", "--max-ttft", "inf",
                            "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--request-timeout", "900.0",
-                           "--max-body-bytes", "4096"]
+                           "--processes", "2", "--decode-streams", "request", "--max-body-bytes", "4096"]
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gateway.internal"])
