@@ -11,6 +11,7 @@ import concurrent.futures
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,17 +22,19 @@ import pytest
 from openai import OpenAI
 
 from bench.chaos.status_feed import StatusFeed
+from bench.harness.gateway_procs import serving_process
 from bench.harness.deploy_procs import BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, serving, wait_for
 from bench.harness.worker_procs import REPO, free_port
 
 
 @pytest.fixture(scope="module")
 def embedded(smollm2_dir, tmp_path_factory):
-    """The default system (1 prefill, 1 decode) on an embedded Ray with room for a third worker.
+    """The default system (1 prefill, 1 decode) on an embedded Ray with room for a third worker,
+    its gateway two processes on the port (`--gateways 2`: every test here goes through them).
     Its workers wedge while the file `stall` next to the log names them (common/envs.py)."""
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4",
+    with serving(log, "--dtype", "float32", "--port", str(port), "--num-cpus", "4", "--gateways", "2",
                  env={"PDSERVE_FAULT_STALL_FILE": str(log.with_name("stall"))}) as (proc, address):
         yield f"http://127.0.0.1:{port}", address, log
 
@@ -62,6 +65,35 @@ def test_serve_streams_a_completion(embedded):
     status = deployment_status(address)
     workers = status["pools"]["prefill"] + status["pools"]["decode"]
     assert [(w["state"], w["restarts"]) for w in workers] == [("ready", 0), ("ready", 0)], workers
+
+
+def _gateway_front(port: int) -> psutil.Process:
+    """The gateway's front process of the deployment serving on `port` (`--processes 2`)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "gateway" in cmd and "--processes" in cmd and str(port) in cmd:
+            return p
+    raise AssertionError(f"no gateway front process for port {port}")
+
+
+def test_the_gateway_is_two_processes_on_one_port_each_serving(embedded):
+    """`pdserve serve --gateways 2`: one front process and two gateway processes under it,
+    and requests on new connections reach both (the kernel spreads them), each answered."""
+    url, _, log = embedded
+    port = int(url.rsplit(":", 1)[1])
+    front = _gateway_front(port)
+    children = front.children()
+    assert len(children) == 2 and all("gateway" in c.cmdline() for c in children), [c.cmdline() for c in children]
+    served: dict[int, int] = {}
+    for _ in range(64):  # each connection lands on either child (1 in 2^32 that one gets them all)
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(b"GET /health HTTP/1.1\r\nhost: gateway\r\n\r\n")
+            assert conn.recv(64).startswith(b"HTTP/1.1 200"), "a gateway process did not answer /health"
+            pid = serving_process(front, conn)
+        served[pid] = served.get(pid, 0) + 1
+        if len(served) == 2:
+            break
+    assert set(served) == {c.pid for c in children}, (served, [c.pid for c in children])
 
 
 def _selectors(expr: str) -> tuple[list[tuple[str, dict[str, str]]], set[str]]:
