@@ -14,7 +14,20 @@ from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingMetadata
 from engine.scheduler import SchedulerOutput
 from engine.step_buffers import StepBuffers, StepLimits
-from kernels.attention_step import PrefillSpan
+from kernels.attention_step import AttentionMetadata, PrefillSpan
+
+
+@dataclass
+class PreparedStep:
+    """A step's flat batch, ready for the forward pass: decodes (ascending context length)
+    first, then prefill chunks. Every rank of a tensor-parallel group prepares the same one
+    from the same schedule (engine/parallel/follower.py)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attention: AttentionMetadata  # where each token's KV goes and what each query reads
+    sample_rows: torch.Tensor  # [num_sampled] int64: the rows whose logits are sampled
+    sampled: list  # the chunks those rows belong to, in the same order
 
 
 @dataclass
@@ -36,11 +49,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        input_ids, positions, meta, sample_rows, sampled = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_cache.layers, meta)  # [num_tokens, hidden]
+        step = self.prepare(out)
+        sampled = step.sampled
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attention)  # [num_tokens, hidden]
         if not sampled:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[sample_rows])  # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         smeta = SamplingMetadata.build(
             [c.seq.params for c in sampled],
             [c.seq.prompt_token_ids for c in sampled],
@@ -56,8 +70,9 @@ class ModelRunner:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
 
-    def _prepare(self, out: SchedulerOutput):
-        """Flat batch: decodes (ascending context length) first, then prefill chunks."""
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
+        """The step's tensors, from its schedule (or a follower rank's StepPlan, which reads
+        the same): decodes (ascending context length) first, then prefill chunks."""
         bs = self.block_size
         decodes = sorted((c for c in out.chunks if c.num_new == 1), key=lambda c: c.context_len)
         prefills = [c for c in out.chunks if c.num_new > 1]
@@ -83,8 +98,8 @@ class ModelRunner:
                                  [c.context_len for c in decodes])
         meta = step_attention(self.model.ops, step, [len(c.block_table) for c in decodes],
                               [c.context_len for c in decodes], spans, bs, self.device)
-        return (step.input_ids.to(self.device), step.positions.to(self.device), meta,
-                torch.tensor(sample_rows, dtype=torch.int64), sampled)
+        return PreparedStep(step.input_ids.to(self.device), step.positions.to(self.device), meta,
+                            torch.tensor(sample_rows, dtype=torch.int64), sampled)
 
 
 def _grammar_masks(sampled: list, vocab_size: int) -> tuple[list[int], torch.Tensor] | None:

@@ -63,7 +63,7 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
 @torch.inference_mode()
 def run_plan(runner: ModelRunner, plan: StepPlan) -> None:
     """One step's collectives on this rank: the forward pass, and the LM head when a row is sampled."""
-    input_ids, positions, meta, rows, sampled = runner._prepare(plan)
-    hidden = runner.model(input_ids, positions, runner.kv_cache.layers, meta)
-    if sampled:
-        runner.model.compute_logits(hidden[rows])
+    step = runner.prepare(plan)
+    hidden = runner.model(step.input_ids, step.positions, runner.kv_cache.layers, step.attention)
+    if step.sampled:
+        runner.model.compute_logits(hidden[step.sample_rows])

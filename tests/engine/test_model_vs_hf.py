@@ -61,9 +61,9 @@ def test_logits_match_hf_over_a_varlen_batch(tiny):
         chunks.append(ScheduledChunk(seq, 0, len(p), table))
     chunks.sort(key=lambda c: c.num_new > 1)
     out = SchedulerOutput(chunks)
-    input_ids, positions, meta, _, _ = runner._prepare(out)
+    step = runner.prepare(out)
     with torch.inference_mode():
-        hidden = model(input_ids, positions, kv.layers, meta)
+        hidden = model(step.input_ids, step.positions, kv.layers, step.attention)
         ours = model.compute_logits(hidden).double()
         start = 0
         for chunk in chunks:

@@ -46,9 +46,10 @@ def _greedy(model: CausalLM, kv: KVCache, prompts: list[list[int]]) -> tuple[lis
     for step in range(DECODE_STEPS + 1):
         chunks = [ScheduledChunk(s, 0, s.num_tokens, t) if step == 0 else ScheduledChunk(s, s.num_tokens - 1, 1, t)
                   for s, t in zip(seqs, tables)]
-        input_ids, positions, meta, rows, sampled = runner._prepare(SchedulerOutput(chunks))
-        logits = model.compute_logits(model(input_ids, positions, kv.layers, meta)[rows])  # [num_seqs, vocab]
-        order = [int(c.seq.request_id[1:]) for c in sampled]
+        prepared = runner.prepare(SchedulerOutput(chunks))
+        hidden = model(prepared.input_ids, prepared.positions, kv.layers, prepared.attention)
+        logits = model.compute_logits(hidden[prepared.sample_rows])  # [num_seqs, vocab]
+        order = [int(c.seq.request_id[1:]) for c in prepared.sampled]
         logits = logits[torch.tensor(order).argsort()]  # back in prompt order
         steps.append(logits)
         for s, tok in zip(seqs, logits.argmax(-1).tolist()):
