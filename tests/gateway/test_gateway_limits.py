@@ -202,7 +202,19 @@ def test_no_kv_headroom_is_a_fast_429_and_too_big_a_prompt_a_413(system, smollm2
                 assert small.stats().running_requests == 1
             s = wait_idle(small)
             assert s.free_blocks == s.total_blocks
-            time.sleep(0.5)  # the stream was cut, not ended: its KV is room once a Stats asked after says so
+
+            def room_seen() -> bool:
+                """The stream was cut, not ended: its KV is room once a Stats asked after says
+                so. Each /metrics scrape asks one (no wait on a health round, however slow the host)."""
+                time.sleep(0.05)
+                text = httpx.get(f"{url}/metrics", timeout=30).text
+                gauges = {name: {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                                 for line in text.splitlines() if line.startswith(f"pdserve_worker_{name}{{")}
+                          for name in ("kv_blocks_free", "kv_blocks_total")}
+                return float(s.total_blocks) in gauges["kv_blocks_total"].values() and \
+                    gauges["kv_blocks_free"] == gauges["kv_blocks_total"]  # the prefill worker's are there too
+
+            wait_until(room_seen, 60, "the gateway's Stats to show the workers' blocks all free")
             again = httpx.post(f"{url}/v1/completions", timeout=60,
                                json={"model": "smollm2", "prompt": "Another: " + STORY[:1500], "max_tokens": 2})
             assert again.status_code == 200, again.text
