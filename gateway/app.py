@@ -2,6 +2,7 @@
 Never imports torch.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not)
+    POST /v1/messages                                  (Anthropic's API, served as a chat request)
     GET  /v1/models, /health, /ready, /metrics          (/metrics: the admin token off loopback)
     GET, PUT /admin/workers                            (the loopback admin socket only)
 
@@ -32,13 +33,17 @@ from gateway.backend import Backend
 from gateway.body_limit import BodyLimit
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.metrics import REQUESTS
+from gateway.messages_answer import messages_answer
+from gateway.messages_errors import AnthropicErrors
+from gateway.messages_protocol import MessagesRequest
+from gateway.messages_request import chat_request
 from gateway.metrics_access import metrics_refusal
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.router import Router
-from gateway.tenants import Tenants
+from gateway.tenants import Tenant, Tenants
 from gateway.tools import ToolPlan, render_messages
 from rpc import pdserve_pb2 as pb
 
@@ -94,7 +99,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                        body_timeout_s=config.body_timeout_s)
     if config.admin_token:  # outermost: /admin/* on the loopback admin socket only
         app.add_middleware(AdminOnLoopback, admin_port=config.admin_port if config.admin_port is not None else -1)
-    app.add_middleware(RequestId)  # outermost: every answer names its request
+    app.add_middleware(RequestId)  # every answer names its request
+    app.add_middleware(AnthropicErrors)  # outermost: every refusal on /v1/messages in Anthropic's shape
 
     @app.get("/health")
     async def health() -> dict:
@@ -156,7 +162,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
-        tenant = config.tenants.authenticate(request.headers.get("authorization"))
+        tenant = _tenant(request)
+        prompt, tools = await _chat_prompt(body, tenant)
+        return await path.serve("chat", body, prompt, tenant, request, tools)
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: MessagesRequest, request: Request):
+        """Anthropic's Messages API: the chat request it means (gateway/messages_request.py)
+        on the chat path, its answer in Anthropic's shape (gateway/messages_answer.py)."""
+        tenant = _tenant(request)
+        chat_body = chat_request(body)
+        prompt, tools = await _chat_prompt(chat_body, tenant)
+        return messages_answer(await path.serve("chat", chat_body, prompt, tenant, request, tools), len(prompt))
+
+    async def _chat_prompt(body: ChatCompletionRequest, tenant: Tenant) -> tuple[list[int], ToolPlan | None]:
+        """A chat request's prompt token ids and how it uses its tools, or the APIError that
+        refuses it before it is served."""
         _check_model(body.model)
         tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.renders_tools)
         try:
@@ -173,11 +194,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise APIError(400, str(e), "messages") from None
         except (TypeError, UnicodeError):  # e.g. a lone surrogate (valid JSON, not valid text)
             raise APIError(400, "messages: text is not valid Unicode (unpaired surrogate?)", "messages") from None
-        return await path.serve("chat", body, prompt, tenant, request, tools)
+        return prompt, tools
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        tenant = config.tenants.authenticate(request.headers.get("authorization"))
+        tenant = _tenant(request)
         _check_model(body.model)
         _shed_before_tokenizing(tenant, "completions", body.n)
         if isinstance(body.prompt, str):
@@ -194,7 +215,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         """vLLM's /tokenize: the token ids a completion of this prompt (or chat) would run on."""
-        config.tenants.authenticate(request.headers.get("authorization"))
+        _tenant(request)
         _check_model(body.model)
         try:
             if body.messages is not None:
@@ -216,11 +237,15 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         """vLLM's /detokenize: the text of these token ids."""
-        config.tenants.authenticate(request.headers.get("authorization"))
+        _tenant(request)
         _check_model(body.model)
         if any(t < 0 or t >= tokenizer.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
         return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    def _tenant(request: Request) -> Tenant:
+        """The request's tenant, from its key (`Authorization: Bearer` or `x-api-key`)."""
+        return config.tenants.authenticate(request.headers.get("authorization"), request.headers.get("x-api-key"))
 
     def _shed_before_tokenizing(tenant, endpoint: str, choices: int) -> None:
         """What would be refused whatever the prompt is refused before the prompt is

@@ -3,8 +3,9 @@
 Plain ASGI, not @app.middleware: Starlette's BaseHTTPMiddleware hides client disconnects
 from the endpoint (Request.is_disconnected).
 
-- A POST to the API (`/v1/...`) is authenticated from its headers before a byte of its
-  body is read (401 at once; an open gateway lets everyone in).
+- A POST to the API (`/v1/...`) is authenticated from its headers (`Authorization: Bearer`
+  or `x-api-key`) before a byte of its body is read (401 at once; an open gateway lets
+  everyone in).
 - A body declared over the limit (`Content-Length`) gets 413 at once; a body without one
   (chunked transfer encoding) is counted as it arrives, and 413 comes as soon as the count
   passes the limit, so no body larger than the limit is ever held or parsed.
@@ -43,7 +44,7 @@ class BodyTooLarge(HTTPException):
 
 
 class BodyLimit:
-    def __init__(self, app, max_bytes: int, authenticate: Callable[[str | None], object] | None = None,
+    def __init__(self, app, max_bytes: int, authenticate: Callable[[str | None, str | None], object] | None = None,
                  body_timeout_s: float = 30.0):
         self.app, self.max_bytes, self.authenticate = app, max_bytes, authenticate
         self.body_timeout_s = body_timeout_s
@@ -57,7 +58,8 @@ class BodyLimit:
         headers = dict(scope.get("headers") or ())
         if self.authenticate is not None and scope.get("method") == "POST" and scope.get("path", "").startswith("/v1/"):
             try:
-                self.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None)
+                self.authenticate(headers.get(b"authorization", b"").decode("latin-1") or None,
+                                  headers.get(b"x-api-key", b"").decode("latin-1") or None)
             except APIError as e:
                 await JSONResponse(error_body(e.status, e.message, e.param, e.code), e.status)(scope, receive, send)
                 return

@@ -165,12 +165,17 @@ class Tenants:
         for row, tenant in enumerate(tenants):
             tenant.shared = table.row(row)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """The tenant of a request's key: `Authorization: Bearer <key>` (OpenAI's clients), or
+        else `x-api-key: <key>` (`api_key`, Anthropic's); 401 without a valid one."""
         if self.open:
             return self.anonymous
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            key = api_key or ""
+        if not key:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                           code="invalid_api_key")
         found = None
         for known, tenant in self.by_key.items():  # every key compared, in constant time
             if hmac.compare_digest(known.encode(), key.encode()):
