@@ -171,7 +171,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """Anthropic's Messages API: the chat request it means (gateway/messages_request.py)
         on the chat path, its answer in Anthropic's shape (gateway/messages_answer.py)."""
         tenant = _tenant(request)
-        chat_body = chat_request(body)
+        chat_body = chat_request(body, tokenizer.renders_tools)
         prompt, tools = await _chat_prompt(chat_body, tenant)
         return messages_answer(await path.serve("chat", chat_body, prompt, tenant, request, tools), len(prompt))
 

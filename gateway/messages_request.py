@@ -1,6 +1,6 @@
 """A Messages request as the chat request it means: one path through the gateway.
 
-    chat = chat_request(body)   # a ChatCompletionRequest, served like any other chat request
+    chat = chat_request(body, template_renders_tools)   # a ChatCompletionRequest, served like any other
 
 So tenants, admission, limits, routing, cancellation, metrics and traces are the chat
 path's own (gateway/request_path.py). What maps:
@@ -39,11 +39,17 @@ from gateway.tools import FunctionSpec, NamedFunction, NamedToolChoice, Tool
 from gateway.tools import ToolChoice as ChatToolChoice
 
 
-def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
-    """The chat request `body` means; APIError 400 naming what cannot be served."""
+def chat_request(body: MessagesRequest, template_renders_tools: bool) -> ChatCompletionRequest:
+    """The chat request `body` means; APIError 400 naming what cannot be served (in the
+    Messages API's words where the chat path's would name its own)."""
     if body.messages[-1].role != "user":
         raise APIError(400, "messages: the last message must be the user's (continuing an assistant message is "
                             "not supported)", "messages")
+    if body.tools and (body.tool_choice is None or isinstance(body.tool_choice, ToolChoiceAuto)) \
+            and not template_renders_tools:
+        raise APIError(400, 'tool_choice "auto" (the default with tools) needs a chat template that shows the model '
+                            'its tools, and this model\'s does not: use {"type": "any"}, {"type": "tool", "name": ...} '
+                            'or {"type": "none"}', "tool_choice")
     system = [ChatMessage(role="system", content="".join(b.text for b in body.system))] if body.system else []
     return ChatCompletionRequest(
         model=body.model, messages=system + _chat_messages(body), max_tokens=body.max_tokens,
