@@ -5,7 +5,9 @@
 A whole chat.completion becomes one message, its id the chat request's (what the logs,
 `pdserve trace` and X-Request-Id name): its text a `text` block, each tool call a
 `tool_use` block (its arguments parsed as the `input`), the finish reason a `stop_reason`
-(stop -> end_turn, length -> max_tokens, tool_calls -> tool_use) and the usage Anthropic's
+(stop -> end_turn, or stop_sequence with the `stop_sequence` that matched, which the chat
+path names in its choice's `stop_reason`; length -> max_tokens; tool_calls -> tool_use)
+and the usage Anthropic's
 (`input_tokens` the prompt's uncached part, `cache_read_input_tokens` the cached one).
 
 A streamed answer keeps its response (so the chat path's ending of it, the client leaving
@@ -14,9 +16,6 @@ included, is untouched) and gets its chunks rewritten as Anthropic's events, in 
 for a call its arguments as one `input_json_delta`) and `content_block_stop`, with a `ping`
 after the first start; then `message_delta` (`stop_reason` and the usage) and
 `message_stop`. A failure mid-stream is an `error` event, as Anthropic sends one.
-
-A stop sequence ends the text as a stop string does in the chat API; the chat path does not
-say which stop string ended it, so its `stop_reason` is `end_turn`, as for the model's own end.
 """
 
 from __future__ import annotations
@@ -53,14 +52,16 @@ def message_of(completion: dict) -> dict:
         content.append({"type": "text", "text": choice["message"]["content"]})
     content += [_tool_use(call) for call in choice["message"].get("tool_calls") or []]
     return {"id": completion["id"], "type": "message", "role": "assistant", "model": completion["model"],
-            "content": content, "stop_reason": _stop_reason(choice["finish_reason"]), "stop_sequence": None,
-            "usage": _usage(completion["usage"])}
+            "content": content, **_stop(choice), "usage": _usage(completion["usage"])}
 
 
-def _stop_reason(finish_reason: str | None) -> str:
-    if finish_reason not in _STOP_REASONS:
-        raise APIError(503, _unfinished(finish_reason))
-    return _STOP_REASONS[finish_reason]
+def _stop(choice: dict) -> dict:
+    """A finished chat choice's `stop_reason` and `stop_sequence`, as Anthropic's message says them."""
+    if choice["finish_reason"] not in _STOP_REASONS:
+        raise APIError(503, _unfinished(choice["finish_reason"]))
+    sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+    return {"stop_reason": "stop_sequence" if sequence is not None else _STOP_REASONS[choice["finish_reason"]],
+            "stop_sequence": sequence}
 
 
 def _unfinished(finish_reason: str | None) -> str:
@@ -83,7 +84,7 @@ async def message_events(chunks: AsyncIterator[bytes], prompt_tokens: int) -> As
     """A streamed chat answer's SSE chunks (its usage included) as Anthropic's SSE events.
     Closing this closes the chat answer's stream."""
     blocks = _Blocks()
-    stop_reason = usage = None
+    stop = usage = None
     async with contextlib.aclosing(chunks), contextlib.aclosing(_chat_chunks(chunks)) as parsed:
         async for chunk in parsed:
             if chunk is None:  # [DONE]
@@ -110,14 +111,12 @@ async def message_events(chunks: AsyncIterator[bytes], prompt_tokens: int) -> As
                 if choice["finish_reason"] not in _STOP_REASONS:
                     yield _error(_unfinished(choice["finish_reason"]))
                     return
-                stop_reason = _STOP_REASONS[choice["finish_reason"]]
-    if stop_reason is None or usage is None:  # the chat stream ended early: nothing more to say
+                stop = _stop(choice)
+    if stop is None or usage is None:  # the chat stream ended early: nothing more to say
         return
     for event in blocks.close():
         yield event
-    yield _event("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason,
-                                                                        "stop_sequence": None},
-                                   "usage": _usage(usage)})
+    yield _event("message_delta", {"type": "message_delta", "delta": stop, "usage": _usage(usage)})
     yield _event("message_stop", {"type": "message_stop"})
 
 

@@ -46,6 +46,7 @@ class Text:
     text: str
     finish_reason: str | None
     logprobs: list = field(default_factory=list)
+    stop_reason: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ async def _as_tool_calls(events: AsyncIterator[Event], tools: ToolPlan) -> Async
             continue
         text = "".join(held)
         calls, content = tools.calls(text) if ev.finish_reason == "stop" else (None, text)
-        yield ToolCalls(calls, content) if calls else Text(text, ev.finish_reason)
+        yield ToolCalls(calls, content) if calls else Text(text, ev.finish_reason, stop_reason=ev.stop_reason)
 
 
 async def generate_events(kind, body, rid, call, first, prompt_len, started, first_at, endpoint,
@@ -109,7 +110,7 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
                               "code": pb.ErrorCode.Name(msg.error.code)})
                 return
             if delta or finish:
-                yield Text(delta, finish, list(msg.logprobs))
+                yield Text(delta, finish, list(msg.logprobs), text.stop_string)
             if finish is not None:
                 status = "ok"
                 usage = {"prompt_tokens": prompt_len, "completion_tokens": completion_tokens,
@@ -205,6 +206,8 @@ async def sse(kind: str, rid: str, body, choices: list[AsyncIterator[Event]], mo
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
             else:
                 choice = {"index": index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+            if ev.finish_reason is not None:
+                choice["stop_reason"] = ev.stop_reason  # vLLM's field: the stop string matched, or null
             yield _data({**base, "choices": [choice]})
     yield b"data: [DONE]\n\n"
 
@@ -271,6 +274,7 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
     """The whole answer as one chat.completion / text_completion object; an error event is a 503.
     Logprobs go into the answer's shape as each step brings them (gateway/logprobs.py)."""
     text, finish, usage, logprobs, calls = [], None, None, Logprobs(kind, tokenizer), None
+    stop_reason = None  # the stop string that ended it, if one did
     if tools is not None:
         events = _as_tool_calls(events, tools)
     async for ev in events:
@@ -285,6 +289,7 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
             text.append(ev.text)
             logprobs.add(ev.logprobs)
             finish = ev.finish_reason or finish
+            stop_reason = ev.stop_reason or stop_reason
     content = "".join(text)
     if calls:
         message = {"role": "assistant", "content": content or None, "tool_calls": calls}
@@ -294,8 +299,9 @@ async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str
     if kind == "completion" and body.echo and isinstance(body.prompt, str):
         content = body.prompt + content
     choice = ({"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": logprobs.result(),
-               "finish_reason": finish} if kind == "chat" else
-              {"index": 0, "text": content, "logprobs": logprobs.result(), "finish_reason": finish})
+               "finish_reason": finish, "stop_reason": stop_reason} if kind == "chat" else
+              {"index": 0, "text": content, "logprobs": logprobs.result(), "finish_reason": finish,
+               "stop_reason": stop_reason})
     return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": int(time.time()), "model": model_name, "choices": [choice], "usage": usage}
 

@@ -20,6 +20,7 @@ class TextStream:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
         self.stopped = False  # a stop string was found: the caller ends the stream
+        self.stop_string: str | None = None  # which one (the first in the text, if several)
 
     def push(self, token_ids: list[int]) -> str:
         """Text to send now for these new tokens."""
@@ -39,8 +40,9 @@ class TextStream:
         """`searched`: held back and already known to hold no whole stop string."""
         text = searched + new
         seen = len(searched)
-        cut = min((i for i in (text.find(s, max(0, seen - len(s) + 1)) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stop if (i := text.find(s, max(0, seen - len(s) + 1))) >= 0]
+        if found:
+            cut, self.stop_string = min(found, key=lambda f: f[0])
             self.stopped = True
             self._pending = ""
             return text[:cut]

@@ -113,9 +113,13 @@ def test_max_tokens_and_stop_sequences_end_the_text(claude):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     cut = claude.messages.create(model="smollm2", max_tokens=20, messages=ASK, extra_body=GREEDY,
                                  stop_sequences=[stop])
-    # the text ends where the chat API's stop string would end it; which of end_turn and
-    # stop_sequence it reports is gateway/messages_answer.py's to say (its docstring)
-    assert cut.content[0].text == text[:text.index(stop)] and cut.stop_reason != "max_tokens", cut
+    # the text ends where the chat API's stop string would end it, and says which one did
+    assert cut.content[0].text == text[:text.index(stop)], cut
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop, cut
+    with claude.messages.stream(model="smollm2", max_tokens=20, messages=ASK, extra_body=GREEDY,
+                                stop_sequences=[stop]) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop, streamed
 
 
 def test_a_tool_round_trip(claude):
