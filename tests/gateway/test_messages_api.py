@@ -225,3 +225,19 @@ def _served(claude) -> bool:
     except anthropic.RateLimitError:
         return False
     return True
+
+
+def test_an_aggregated_system_answers_as_its_chat_api_does(aggregated):
+    """With no prefill worker (the decode worker prefills locally) the Messages API is the
+    same path: greedy text equal to the chat API's on that gateway, streamed or not."""
+    local = anthropic.Anthropic(base_url=str(aggregated.base_url).rstrip("/").removesuffix("/v1"),
+                                api_key="unused", max_retries=0)
+    kwargs = {"model": "smollm2", "max_tokens": 24, "system": SYSTEM, "messages": CONVERSATION,
+              "extra_body": GREEDY}
+    reply = local.messages.create(**kwargs)
+    chat = aggregated.chat.completions.create(model="smollm2", max_tokens=24, temperature=0,
+                                              messages=[{"role": "system", "content": SYSTEM}, *CONVERSATION])
+    assert reply.content[0].text == chat.choices[0].message.content
+    assert reply.usage.output_tokens == chat.usage.completion_tokens
+    with local.messages.stream(**kwargs) as stream:
+        assert "".join(stream.text_stream) == reply.content[0].text
