@@ -145,7 +145,8 @@ class ServingPath:
     url: str
     worker: WorkerProc
     worker_pid: int
-    gateway_pids: list[int]  # the one gateway process, or the front and its children (--gateways N)
+    gateways: int  # gateway processes serving (--processes)
+    gateway_pids: list[int]  # the one gateway process, or the front and its children
 
 
 @contextlib.contextmanager
@@ -173,7 +174,7 @@ def serving_path(model: Path, step_s: float, mode: str, max_batch: int, max_toke
         with gateway(model, [worker.address], [], logs / f"gateway-{mode}-{gateways}-{step_s:g}.log", *room) as url:
             assert httpx.get(f"{url}/ready", timeout=60).json() == {"ready": True}  # it has the pool's size
             front = _child_pid(b"-m\0gateway\0")
-            yield ServingPath(url, worker, worker.proc.pid,
+            yield ServingPath(url, worker, worker.proc.pid, gateways,
                               [front, *(_children(b"-m\0gateway\0", front) if gateways > 1 else [])])
     finally:
         worker.stop()
@@ -335,7 +336,7 @@ def measure(path: ServingPath, mode: str, batch: int, step_s: float, max_tokens:
     failed = [s for s in streams if s.error or s.tokens != max_tokens]
     tokens = sum(s.tokens for s in streams)
     idle = wait_idle(path.worker)
-    row = {"mode": mode, "gateways": len(path.gateway_pids) - (len(path.gateway_pids) > 1), "batch": batch, "step_s": step_s, "max_tokens": max_tokens, "load_1m": load,
+    row = {"mode": mode, "gateways": path.gateways, "batch": batch, "step_s": step_s, "max_tokens": max_tokens, "load_1m": load,
            "streams_ok": batch - len(failed), "failures": [s.error or f"{s.tokens} tokens" for s in failed[:3]],
            "tokens": tokens, "wall_s": ended - started, "ideal_tok_s": batch / step_s,
            "worker_cpu_s": cpu[0], "gateway_cpu_s": cpu[1], "client_cpu_s": client_cpu,

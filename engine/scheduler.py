@@ -272,7 +272,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = left if left < budget and left <= cap else min(left, budget, cap)
+            num_new = min(left, budget, cap)
             start = seq.num_computed_tokens
             table, refund = self._allocate_or_preempt(seq, start + num_new, out)
             budget += refund
@@ -351,14 +351,12 @@ class Scheduler:
         # only chunks short of their sequence's end (a decode never is)
         short = sorted((left, i) for i, c in enumerate(out.chunks)
                        if (left := len(c.seq.token_ids) - c.start - c.num_new) > 0)
-        for _, i in short:
-            chunk = out.chunks[i]
+        for left, i in short:
             if budget == 0:
                 break
+            chunk = out.chunks[i]
             seq = chunk.seq
-            extra = min(seq.num_tokens - chunk.context_len, budget)
-            if extra <= 0:
-                continue
+            extra = min(left, budget)
             table = self.kv.allocate_slots(seq.request_id, chunk.context_len + extra)
             if table is None:
                 break  # no preemption for a top-up: the step is already full enough
@@ -369,27 +367,17 @@ class Scheduler:
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[SequenceUpdate]:
         """Advance progress counters, append sampled tokens, finish and free what ended."""
         updates = []
-        running, cache_blocks = SequenceStatus.RUNNING, self.kv.cache_blocks
-        eos, max_len = self.eos_token_ids, self.config.max_model_len
-        for chunk in out.chunks:  # (every step, every sequence: kept to plain operations)
+        for chunk in out.chunks:
             seq = chunk.seq
-            if seq.status is not running:
+            if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
             seq.num_computed_tokens += chunk.num_new
-            token_ids = seq.token_ids
-            cache_blocks(seq.request_id, token_ids, seq.num_computed_tokens, seq.cache_salt)
-            if chunk.start + chunk.num_new != len(token_ids):
-                continue  # a prompt chunk short of its end: nothing sampled (chunk.sample)
+            self.kv.cache_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+            if not chunk.sample:
+                continue
             token = sampled[seq.request_id]
-            token_ids.append(token)  # seq.append_token, inline
-            seq.output_token_ids.append(token)
-            p = seq.params  # _finish_reason, inline
-            if token in p.stop_token_ids or (not p.ignore_eos and token in eos):
-                reason = FinishReason.STOP
-            elif len(seq.output_token_ids) >= p.max_tokens or len(token_ids) >= max_len:
-                reason = FinishReason.LENGTH
-            else:
-                reason = None
+            seq.append_token(token)
+            reason = self._finish_reason(seq, token)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -403,7 +391,7 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_importance)
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why `seq` ends with `token` appended, if it does (update_from_output has it inline)."""
+        """Why `seq` ends with `token` appended, if it does."""
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return FinishReason.STOP
