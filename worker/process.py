@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING = 256
 _SIGNAL_POLL_S = 0.5
 CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
+EXIT_RANK_LOST = 70  # a tensor-parallel rank of this worker died: the group is replaced as a whole
 
 
 def worker_arguments(role: str) -> argparse.ArgumentParser:
@@ -54,7 +56,11 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="queue bound; past it requests are refused at once")
-    p.add_argument("--threads", type=int, default=1, help="torch threads for this process")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for this process (each rank's with "
+                                                                "--tensor-parallel-size)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks the model is sharded over, one process each (engine/parallel/); with more than "
+                        "one, aggregated only so far (--no-transfer)")
     p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
                    help="floor of the stall bound: a worker with work that completes no step for "
@@ -68,7 +74,25 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
     cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
-    return LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos), path.name
+    if args.tensor_parallel_size > 1 and not args.no_transfer:
+        raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between tensor-parallel "
+                         "workers is not written yet; serve aggregated (--no-transfer)")
+    engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size)
+    if engine.ranks is not None:
+        engine.ranks.on_lost = _end_with_lost_rank
+        log.info("tensor-parallel group of %d ranks, %d threads each: ranks 1.. are pids %s",
+                 args.tensor_parallel_size, args.threads, " ".join(map(str, engine.ranks.pids)))
+    return engine, path.name
+
+
+def _end_with_lost_rank(what: str) -> None:
+    """A rank of this worker's tensor-parallel group died: no step can run again, so the
+    worker ends at once, as a crashed worker would (its peers move or fail its requests
+    and the deployment replaces the whole group); its other ranks see rank 0 gone and end."""
+    log.critical("tensor-parallel %s: the group cannot step; ending this worker (exit code %d) so that it is "
+                 "replaced as a whole", what, EXIT_RANK_LOST)
+    logging.shutdown()
+    os._exit(EXIT_RANK_LOST)
 
 
 def engine_configs(args: argparse.Namespace, model_len: int) -> tuple[CacheConfig, SchedulerConfig]:

@@ -32,7 +32,7 @@ class RoleChanges:
     role then)."""
 
     def __init__(self, worker, wake: threading.Event):
-        self.worker = worker  # an EngineLoop: `closing`, `drain`, `name`
+        self.worker = worker  # an EngineLoop: `closing`, `drain`, `name`, `engine`
         self.wake = wake
         self.accepted: RoleChange | None = None
         self._lock = threading.Lock()
@@ -43,6 +43,8 @@ class RoleChanges:
             return f"unknown role {change.role!r}: one of {', '.join(ROLES)}"
         if not change.worker_id:
             return "the new worker needs a worker id"
+        if self.worker.engine.ranks is not None:
+            return f"{self.worker.name} is tensor-parallel: its ranks' weights cannot change role in place"
         if not self.worker.closing:
             return f"{self.worker.name} takes requests: drain it first (Drain), then change its role"
         try:

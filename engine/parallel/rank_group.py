@@ -8,10 +8,14 @@ the KV manager and sampling stay on rank 0; every rank's pool has the same block
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import shutil
 import tempfile
+import threading
 import weakref
+from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -28,9 +32,17 @@ from engine.step_buffers import StepLimits
 READY_S = 600  # bound on a follower's start (spawn, imports, its weights)
 STOP_S = 30
 
+log = logging.getLogger(__name__)
+
 
 class RankGroup:
-    """The follower processes of one tensor-parallel engine, and rank 0's membership."""
+    """The follower processes of one tensor-parallel engine, and rank 0's membership.
+
+    A watcher thread waits on the followers' exits: one that ends while the group is open
+    is recorded in `lost` ("rank R is gone (pid P, exit code C)") and handed to `on_lost`,
+    if set, at once, idle or not (a worker process ends itself there, so the group is
+    replaced as a whole: worker/process.py). Without `on_lost`, the next step fails with
+    the rank named."""
 
     def __init__(self, config: EngineConfig, num_blocks: int, limits: StepLimits):
         if dist.is_initialized():
@@ -49,7 +61,11 @@ class RankGroup:
             theirs.close()
             self._pipes.append(ours)
             self._procs.append(proc)
-        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir)
+        self._closing = threading.Event()
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
+        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir, self._closing)
+        threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
         try:
             join_group(rendezvous, size, 0)
             for rank, pipe in enumerate(self._pipes, start=1):
@@ -59,13 +75,34 @@ class RankGroup:
             self.close()
             raise
 
+    @property
+    def pids(self) -> list[int]:
+        """The followers' process ids, rank 1 first."""
+        return [proc.pid for proc in self._procs]
+
     def send(self, plan: StepPlan) -> None:
+        if self.lost is not None:
+            raise RuntimeError(f"tensor-parallel {self.lost}: the group cannot step")
         for rank, pipe in enumerate(self._pipes, start=1):
             try:
                 pipe.send(plan)
             except (BrokenPipeError, ConnectionResetError, EOFError) as e:
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone "
                                    f"(exit code {self._procs[rank - 1].exitcode})") from e
+
+    def _watch(self) -> None:
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        ended = wait(list(sentinels))
+        if self._closing.is_set():
+            return
+        rank = sentinels[ended[0]]
+        proc = self._procs[rank - 1]
+        proc.join(1)  # its exit code is set once it is reaped
+        self.lost = f"rank {rank} is gone (pid {proc.pid}, exit code {proc.exitcode})"
+        log.error("tensor-parallel %s", self.lost)
+        shutil.rmtree(self._dir, ignore_errors=True)  # the group is over: nothing reads its rendezvous
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
 
     def close(self) -> None:
         """Stop the followers (bounded; killed past it) and leave the process group."""
@@ -74,7 +111,8 @@ class RankGroup:
             dist.destroy_process_group()
 
 
-def _stop(pipes, procs, folder: str) -> None:
+def _stop(pipes, procs, folder: str, closing: threading.Event) -> None:
+    closing.set()  # followers ending from here on are stopped, not lost
     for pipe in pipes:
         try:
             pipe.send(None)
