@@ -1,6 +1,7 @@
 """The decode worker's Prometheus metrics: where prompts are prefilled, and why a remote
 prefill fell back to a local one (in the worker's registry; the gateway's /metrics labels
-them with `worker` and `role`)."""
+them with `worker` and `role`). A fallback's cause is its pb.LocalPrefill's name
+(rpc/convert.py `local_prefill_name`), as the request's answer headers say it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ MIGRATIONS = Counter("pdserve_migrations", "Handed-off requests whose KV this de
                      "by outcome: kept (at the hand-off), then pushed, failed, aborted or expired (not pulled in "
                      "time); refused: a pull for KV not kept here", ["outcome"])
 FALLBACKS = Counter("pdserve_prefill_fallbacks", "Remote prefills that ended prefilled here, by cause: "
-                    "send_failed, workers_exhausted, deadline, abort_unconfirmed", ["cause"])
+                    "send_failed, prefill_failed, transfer_failed (every prefill worker tried failed, the last "
+                    "in its prefill or in its KV transfer), deadline, abort_unconfirmed", ["cause"])
 for _where in ("remote", "local", "kv_source"):  # every series present (at 0) from the start, as a dashboard expects
     PREFILLS.labels(_where)
-for _cause in ("send_failed", "workers_exhausted", "deadline", "abort_unconfirmed"):
+for _cause in ("send_failed", "prefill_failed", "transfer_failed", "deadline", "abort_unconfirmed"):
     FALLBACKS.labels(_cause)
 for _outcome in ("kept", "pushed", "failed", "aborted", "expired", "refused"):
     MIGRATIONS.labels(_outcome)

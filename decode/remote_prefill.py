@@ -99,7 +99,8 @@ class RemotePrefills:
                 if state.rpc is None:  # nothing went out: nobody can be writing its blocks
                     del self.states[state.request_id]
                     self.receiver.forget(state.transfer_id)
-                    self._events.append(PrefillHere(state.request_id, [f"{type(e).__name__}: {e}"], "send_failed"))
+                    self._events.append(PrefillHere(state.request_id, [f"{type(e).__name__}: {e}"],
+                                                    pb.LOCAL_PREFILL_SEND_FAILED))
                 else:
                     self._attempt_failed(state, f"{type(e).__name__}: {e}")
         return self._take_events()
@@ -140,7 +141,7 @@ class RemotePrefills:
                 state.kv_complete = True
                 trace.event(state.request_id, "kv_notified", attempt=state.attempt + 1)
             else:
-                self._attempt_failed(state, f"KV {ev.status.value}")
+                self._attempt_failed(state, f"KV {ev.status.value}", transfer=True)
         for state in list(self.states.values()):
             self._poll(state)
         self._events += self.unconfirmed.poll()
@@ -224,8 +225,9 @@ class RemotePrefills:
             except grpc.RpcError as e:
                 self._attempt_failed(state, f"{e.code().name}: {e.details()}", gone=self.peers.gone(state.worker, e))
                 return
-            if resp.error.code != pb.ERROR_NONE:
-                self._attempt_failed(state, resp.error.message, gone=True)  # it replied: nothing in flight
+            if resp.error.code != pb.ERROR_NONE:  # it replied: nothing in flight
+                self._attempt_failed(state, resp.error.message, gone=True,
+                                     transfer=resp.error.code == pb.KV_TRANSFER_FAILED)
                 return
             state.first_token = resp.first_token_id
             state.first_logprobs = logprobs_from_pb(resp.first_logprobs) if resp.HasField("first_logprobs") else None
@@ -238,9 +240,13 @@ class RemotePrefills:
                                         state.prefill_timings, len(state.destination_blocks),
                                         state.num_cached_tokens, state.worker))
 
-    def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False) -> None:
+    def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False,
+                        transfer: bool = False) -> None:
+        """`transfer`: it failed in the KV's transfer (a failed write or notification), not in
+        the prefill worker's call or its prefill."""
         log.info("request %s: prefill on %s failed: %s", state.request_id, state.worker, reason)
         state.failures.append(f"{state.worker}: {reason}")
+        state.transfer_failed = transfer
         self.receiver.forget(state.transfer_id)
         if gone:
             self._next_attempt(state)
@@ -279,11 +285,13 @@ class RemotePrefills:
             state.attempt += 1
             if self.peers.gone(state.worker):
                 state.failures.append(f"{state.worker}: left the deployment")
+                state.transfer_failed = False
                 continue
             self._send_prefill(state, state.reserved)
             return
         del self.states[rid]
-        cause = "deadline" if time.monotonic() >= state.deadline else "workers_exhausted"
+        cause = (pb.LOCAL_PREFILL_DEADLINE if time.monotonic() >= state.deadline
+                 else pb.LOCAL_PREFILL_TRANSFER_FAILED if state.transfer_failed else pb.LOCAL_PREFILL_PREFILL_FAILED)
         log.info("request %s: no prefill worker left (%s); prefilling locally", rid, "; ".join(state.failures))
         self._events.append(PrefillHere(rid, list(state.failures), cause))
 

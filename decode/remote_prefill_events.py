@@ -34,13 +34,15 @@ class KVReady:
 
 @dataclass(frozen=True)
 class PrefillHere:
-    """The request is prefilled on this worker after all. `cause` (a metric label): the
-    Prefill could not be sent (`send_failed`), every offered worker failed
-    (`workers_exhausted`), or its time ran out (`deadline`); `reasons` says what each try met."""
+    """The request is prefilled on this worker after all. `cause` (a pb.LocalPrefill: its
+    metric label, and what the request's first message says): the Prefill could not be sent
+    (SEND_FAILED), every offered worker failed, the last in its prefill (PREFILL_FAILED) or
+    in its KV transfer (TRANSFER_FAILED), or its time ran out (DEADLINE); `reasons` says what
+    each try met."""
 
     request_id: str
     reasons: list[str]
-    cause: str = "workers_exhausted"
+    cause: int = pb.LOCAL_PREFILL_PREFILL_FAILED
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class RemotePrefillState:
     prefill_timings: object = None
     started: float = field(default_factory=time.monotonic)
     failures: list[str] = field(default_factory=list)
+    transfer_failed: bool = False  # the last failed attempt failed in its KV transfer, not its prefill
     aborting_since: float = 0.0  # monotonic: when the current attempt's abort was first asked
     retry_at: float = 0.0  # an unconfirmed abort is asked again from then
     reserved: RemotePrefill | None = None  # the schedule's reservation: the sequence and its blocks

@@ -2,7 +2,9 @@
 
 The engine loop delivers each request's news to its `Outlet`: plain new tokens go into the
 columns of the batch being gathered (three list appends, no message per token), anything
-else (logprobs, a request's last message, an open refused) is an event. At the end of a
+else (logprobs, a request's last message, an open refused) is an event. How a request was
+served (pb.Served: which prefill worker's KV, or why it was prefilled here) goes with its
+first message, in its own list that the reader takes before the columns. At the end of a
 step the loop calls `flush()`: what it gathered becomes ready, and the call's thread, waiting
 in `take()`, sends it as one StreamsDown. The loop never waits for the call: when the
 thread (or the gateway behind it) falls behind, the steps ready and not yet sent merge into
@@ -19,22 +21,24 @@ from rpc import pdserve_pb2 as pb
 
 
 class _Gathered:
-    __slots__ = ("streams", "counts", "token_ids", "events")
+    __slots__ = ("streams", "counts", "token_ids", "events", "served")
 
     def __init__(self) -> None:
         self.streams: list[int] = []
         self.counts: list[int] = []
         self.token_ids: list[int] = []
         self.events: list[pb.StreamEvent] = []
+        self.served: list[pb.StreamServed] = []
 
     def __bool__(self) -> bool:
-        return bool(self.streams) or bool(self.events)
+        return bool(self.streams) or bool(self.events) or bool(self.served)
 
     def extend(self, other: _Gathered) -> None:
         self.streams += other.streams
         self.counts += other.counts
         self.token_ids += other.token_ids
         self.events += other.events
+        self.served += other.served
 
 
 class StepBatches:
@@ -64,6 +68,11 @@ class StepBatches:
         self._gathering.events.append(event)
         self._dirty = True
 
+    def served(self, stream: int, served: pb.Served) -> None:
+        """How the stream's request was served: before (or with) its first message."""
+        self._gathering.served.append(pb.StreamServed(stream=stream, served=served))
+        self._dirty = True
+
     def flush(self) -> None:
         """What was gathered is ready to send (a no-op when nothing was)."""
         if not self._dirty:
@@ -91,7 +100,7 @@ class StepBatches:
                 return None
             ready, self._ready = self._ready, _Gathered()
         return pb.StreamsDown(streams=ready.streams, counts=ready.counts, token_ids=ready.token_ids,
-                              events=ready.events)
+                              events=ready.events, served=ready.served)
 
     def close(self) -> None:
         with self._cond:
@@ -112,6 +121,10 @@ class Outlet:
     def tokens(self, token_ids: list[int]) -> None:
         self.batches.tokens(self.stream, token_ids)
 
+    def served(self, served: pb.Served) -> None:
+        """How the request was served (once, before its first message)."""
+        self.batches.served(self.stream, served)
+
     def put(self, msg: pb.GenerateResponse) -> None:
         self.batches.event(pb.StreamEvent(stream=self.stream, response=msg))
         if msg.finish_reason != pb.FINISH_NONE and self._on_last is not None:
@@ -123,10 +136,19 @@ class Outlet:
 
 
 def responses(down: pb.StreamsDown):
-    """A StreamsDown of one stream's call (a Generate's) as that stream's GenerateResponses, in order."""
+    """A StreamsDown of one stream's call (a Generate's) as that stream's GenerateResponses, in
+    order; its `served`, if any, on the first of them."""
+    served = down.served[0].served if down.served else None
     start = 0
     for count in down.counts:
-        yield pb.GenerateResponse(token_ids=down.token_ids[start:start + count])
+        msg = pb.GenerateResponse(token_ids=down.token_ids[start:start + count])
         start += count
+        if served is not None:
+            msg.served.CopyFrom(served)
+            served = None
+        yield msg
     for event in down.events:
+        if served is not None:
+            event.response.served.CopyFrom(served)
+            served = None
         yield event.response

@@ -6,7 +6,10 @@ the list if that one fails before the KV is complete, then prefilling locally); 
 it is prefilled here as chunked prefill in the decode batch (conditional disaggregation,
 and the aggregated mode when no prefill workers are given). Every step's new tokens go to
 the request's stream at once: the step's tokens for every stream of one call (a gateway's
-Streams) leave as one message (decode/step_batches.py). The remote prefills themselves
+Streams) leave as one message (decode/step_batches.py). A request's first message says how
+it was served (pb.Served: the prefill worker whose KV it decodes from and how many blocks
+came over, or why it was prefilled here), which the gateway's answer headers repeat before
+its first byte. The remote prefills themselves
 (attempts, aborts, the KV notifications) are decode/remote_prefill.py's; this worker
 applies their events.
 
@@ -34,7 +37,7 @@ from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S
 from engine.llm_engine import LLMEngine, StepResult
 from engine.scheduler import RequestRejected, SchedulerOutput
 from rpc import pdserve_pb2 as pb
-from rpc.convert import finish_to_pb, logprobs_to_pb
+from rpc.convert import finish_to_pb, local_prefill_name, logprobs_to_pb
 from transfer import TransferAgent
 from worker import metrics as worker_metrics
 from worker.holdings import Holdings
@@ -57,6 +60,10 @@ class _Stream:
     num_tokens: int = 0
     cached_tokens: int = 0
     prefill_timings: pb.Timings | None = None
+    local_prefill: int = pb.LOCAL_PREFILL_NONE  # why it is prefilled here (NONE: a remote prefill's KV)
+    prefill_worker: str = ""  # whose KV it decodes from, once that KV is here
+    kv_blocks: int = 0  # ... and how many blocks of it came over
+    announced: bool = False  # its first message (with how it was served) has gone out
 
 
 REMOTE_PREFILL_SLACK = 10.0  # a remote prefill may take this many times its measured compute
@@ -103,7 +110,8 @@ class DecodeWorker(EngineLoop):
                   and (kv_source is not None or uncached > self.local_prefill_threshold))
         self.engine.add_request(request_id, prompt, params, priority, remote_prefill=remote, cache_salt=cache_salt,
                                 output_token_ids=output_token_ids)
-        self.streams[request_id] = _Stream(out, len(prompt), params)
+        self.streams[request_id] = _Stream(out, len(prompt), params,
+                                           local_prefill=self._local_prefill(remote, prefill_workers, len(tokens)))
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget),
@@ -111,10 +119,21 @@ class DecodeWorker(EngineLoop):
         where = "local" if not remote else "kv_source" if kv_source is not None else "remote"
         metrics.PREFILLS.labels(where).inc()
         trace.event(request_id, "admitted", prefill=where, uncached_tokens=uncached,
-                    kv_source=kv_source.address if kv_source is not None else None)
+                    kv_source=kv_source.address if kv_source is not None else None,
+                    local_prefill=None if remote else local_prefill_name(self.streams[request_id].local_prefill))
         log.info("request %s: admitted, %d prompt tokens (%d uncached)%s, %s", request_id, len(prompt),
                  uncached, f", a replay after {len(output_token_ids)} output tokens" if output_token_ids else "",
                  f"KV from {kv_source.address}" if where == "kv_source" else f"{where} prefill")
+
+    def _local_prefill(self, remote: bool, prefill_workers: list[str], num_tokens: int) -> int:
+        """Why a request is prefilled here from the start (a pb.LocalPrefill; NONE: it is not)."""
+        if remote:
+            return pb.LOCAL_PREFILL_NONE
+        if not prefill_workers or self.remote is None:
+            return pb.LOCAL_PREFILL_NO_PREFILL_WORKER
+        if num_tokens > self.local_prefill_threshold:  # long enough, but its uncached part is not
+            return pb.LOCAL_PREFILL_PREFIX_CACHE_HIT
+        return pb.LOCAL_PREFILL_BELOW_THRESHOLD
 
     def remote_prefill_budget_s(self, uncached_tokens: int) -> float:
         """How long a remote prefill of this many tokens may take, all attempts together,
@@ -265,6 +284,7 @@ class DecodeWorker(EngineLoop):
                 stream = self.streams.get(ev.request_id)
                 if stream is not None:
                     stream.prefill_timings = ev.timings
+                    stream.prefill_worker, stream.kv_blocks = ev.worker, ev.num_blocks
                 t = ev.timings
                 trace.event(ev.request_id, "kv_ready", blocks=ev.num_blocks, prefill_worker=ev.worker,
                             prefill_queue_s=t.queue_s if t else None, prefill_compute_s=t.prefill_s if t else None,
@@ -276,18 +296,24 @@ class DecodeWorker(EngineLoop):
                     self._deliver(ev.request_id, update.new_token_ids, update.finish_reason, lps,
                                   ev.num_cached_tokens)
             elif isinstance(ev, PrefillHere):
-                metrics.FALLBACKS.labels(ev.cause).inc()
-                trace.event(ev.request_id, "local_prefill", cause=ev.cause)
-                self.engine.remote_kv_failed(ev.request_id)
+                self._prefill_here(ev.request_id, ev.cause)
             elif isinstance(ev, Released):
                 self.engine.release(ev.request_id)
             elif isinstance(ev, Quarantined):
                 self.engine.quarantine(ev.request_id, ev.quarantine_id)
                 if not ev.cancelled:
-                    metrics.FALLBACKS.labels("abort_unconfirmed").inc()
-                    trace.event(ev.request_id, "local_prefill", cause="abort_unconfirmed")
-                    self.engine.remote_kv_failed(ev.request_id)
+                    self._prefill_here(ev.request_id, pb.LOCAL_PREFILL_ABORT_UNCONFIRMED)
         self._flush()
+
+    def _prefill_here(self, request_id: str, cause: int) -> None:
+        """A remote prefill fell back to a local one (`cause`: a pb.LocalPrefill)."""
+        name = local_prefill_name(cause)
+        metrics.FALLBACKS.labels(name).inc()
+        trace.event(request_id, "local_prefill", cause=name)
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.local_prefill = cause
+        self.engine.remote_kv_failed(request_id)
 
     # -- streams --------------------------------------------------------------------------
 
@@ -300,6 +326,11 @@ class DecodeWorker(EngineLoop):
         if stream.first_token_at is None and token_ids:
             stream.first_token_at = now
             trace.event(request_id, "first_token")
+        if not stream.announced:  # before its first tokens: the gateway's headers need it first
+            stream.announced = True
+            stream.out.served(pb.Served(prefill_worker=stream.prefill_worker, kv_blocks=stream.kv_blocks,
+                                        local_prefill=stream.local_prefill,
+                                        cached_prompt_tokens=_cached(stream, num_cached)))
         stream.num_tokens += len(token_ids)
         self._touched.add(stream.out.batches)
         if reason is None and not logprobs:
@@ -310,9 +341,8 @@ class DecodeWorker(EngineLoop):
         if logprobs:
             msg.logprobs.extend(logprobs_to_pb(lp) for lp in logprobs)
         if reason is not None:
-            cached = min(stream.prompt_len, max(num_cached, stream.cached_tokens))  # a replay's hits cover output too
             msg.usage.CopyFrom(pb.Usage(prompt_tokens=stream.prompt_len, completion_tokens=stream.num_tokens,
-                                        cached_prompt_tokens=cached))
+                                        cached_prompt_tokens=_cached(stream, num_cached)))
             timings = pb.Timings(first_token_s=(stream.first_token_at or now) - stream.arrived)
             if stream.prefill_timings is not None:
                 timings.queue_s = stream.prefill_timings.queue_s
@@ -337,3 +367,8 @@ class DecodeWorker(EngineLoop):
         for batches in self._touched:
             batches.flush()
         self._touched.clear()
+
+
+def _cached(stream: _Stream, num_cached: int) -> int:
+    """The prompt tokens its prefix cache served (a replay's hits cover output too: capped)."""
+    return min(stream.prompt_len, max(num_cached, stream.cached_tokens))

@@ -89,3 +89,9 @@ def stats_to_pb(worker: str, e: EngineStats, step_seconds: float, kv_blocks_tran
         prefix_cache_hit_rate=e.prefix_cache_hit_rate, step_seconds=step_seconds, preemptions=e.num_preemptions,
         kv_blocks_transferred=kv_blocks_transferred, block_size=e.block_size,
         prefill_tokens_per_s=prefill_tokens_per_s, deep_probes=deep_probes)
+
+
+def local_prefill_name(reason: int) -> str:
+    """A LocalPrefill's name as the metrics, traces and the gateway's headers say it
+    (LOCAL_PREFILL_BELOW_THRESHOLD: "below_threshold"; LOCAL_PREFILL_NONE: "none")."""
+    return pb.LocalPrefill.Name(reason).removeprefix("LOCAL_PREFILL_").lower()

@@ -203,11 +203,14 @@ def test_a_prefill_that_cannot_be_sent_is_prefilled_locally_and_strands_no_other
     worker.cancel("b")
     while engine.has_unfinished():  # "a" is prefilled and decoded here
         worker.step()
-    tokens = []
+    tokens, served = [], []
     while not out.empty():
         msg = out.get_nowait()
         tokens += list(msg.token_ids)
+        served += [msg.served] if msg.HasField("served") else []
     assert len(tokens) == 4  # a's four tokens ("b" was cancelled before any)
+    # a's first message says it was prefilled here, and why (the gateway's answer headers repeat it)
+    assert [(s.prefill_worker, s.kv_blocks, s.local_prefill) for s in served] == [("", 0, pb.LOCAL_PREFILL_SEND_FAILED)]
 
 
 def test_a_request_preempted_on_the_prefill_worker_is_aborted_once_its_writes_are_done(model, monkeypatch):
