@@ -40,7 +40,8 @@ def messages_answer(chat_answer: Response, prompt_tokens: int) -> Response:
         return chat_answer
     if chat_answer.status_code != 200:
         return chat_answer
-    return JSONResponse(message_of(json.loads(chat_answer.body)))
+    served = {k: v for k, v in chat_answer.headers.items() if k.startswith("x-pdserve-")}  # gateway/served.py
+    return JSONResponse(message_of(json.loads(chat_answer.body)), headers=served)
 
 
 def message_of(completion: dict) -> dict:

@@ -1,6 +1,7 @@
 """One request's path through the gateway, after its prompt is tokenized: parameters, the
 claims it holds while served, the decode worker it runs on (once more on another if the
-first fails before its first token), and its answer, streamed or whole.
+first fails before its first token), and its answer, streamed or whole, whose headers say
+how it was served (gateway/served.py).
 
 A request holds three claims: a slot in its tenant's limits, an admission ticket (what the
 TTFT prediction counts as queued) and its cost on its decode worker (what routing balances
@@ -35,6 +36,7 @@ from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.router import NoWorker, Router, WorkerState
+from gateway.served import Served
 from gateway.tenants import Tenant
 from gateway.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
@@ -199,7 +201,8 @@ class RequestPath:
             if len(calls) < n:
                 claims.release()
         ttft = time.monotonic() - started
-        trace.event(rid, "first_token")
+        served = Served.of(calls[0].address, calls[0].first)  # the answer's headers: gateway/served.py
+        trace.event(rid, "first_token", **served.fields())
         claims.first_token()
         TTFT.observe(ttft)
         choices = [responses.generate_events(kind, body, rid, call, call.first, len(prompt), started,
@@ -218,10 +221,11 @@ class RequestPath:
         if body.stream:
             return _ReleasingStream(responses.sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),
                                     on_close=finish, media_type="text/event-stream",
-                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                             **served.headers()})
         try:
             answer = responses.collect_all(kind, choices, rid, body, config.model_name, self.tokenizer, tools)
-            return await _collect_unless_gone(request, answer)
+            return await _collect_unless_gone(request, answer, served.headers())
         finally:
             await finish()
 
@@ -351,10 +355,10 @@ class RequestPath:
         return call, first
 
 
-async def _collect_unless_gone(request: Request, collect) -> Response:
+async def _collect_unless_gone(request: Request, collect, headers: dict[str, str]) -> Response:
     """A non-streamed answer, abandoned (and the decode worker's call cancelled) when the
     client disconnects: nobody would read it."""
     try:
-        return JSONResponse(await unless_gone(request.receive, collect))
+        return JSONResponse(await unless_gone(request.receive, collect), headers=headers)
     except ClientGone:  # the gRPC call is cancelled and the claims released by the caller
         return Response(status_code=499)

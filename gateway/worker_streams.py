@@ -44,19 +44,28 @@ class StreamError(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+_NOT_SERVED = pb.Served()
+
+
 class Tokens:
     """A step's plain tokens for one stream, read as the GenerateResponse it stands for
-    (no finish reason, no error, no logprobs): no protobuf message made per stream per step."""
+    (no finish reason, no error, no logprobs; `served` on a stream's first message only): no
+    protobuf message made per stream per step."""
 
-    __slots__ = ("token_ids",)
+    __slots__ = ("served", "token_ids")
     finish_reason = pb.FINISH_NONE
     error = pb.Error()
     logprobs = ()
     usage = pb.Usage()
     timings = pb.Timings()
 
-    def __init__(self, token_ids: list[int]):
-        self.token_ids = token_ids
+    def __init__(self, token_ids: list[int], served: pb.Served = _NOT_SERVED):
+        self.token_ids, self.served = token_ids, served
+
+    def HasField(self, name: str) -> bool:  # the protobuf message's name and answer
+        return name == "served" and self.served is not _NOT_SERVED
+
+
 _END = object()  # a stream's queue: nothing more will come
 
 
@@ -209,17 +218,23 @@ class WorkerStreams:
 
     def _deliver(self, down: pb.StreamsDown) -> None:
         streams = self._streams
+        # How a stream was served comes with its first message, whichever list that is in.
+        served = {s.stream: s.served for s in down.served} if down.served else None
         start = 0
         tokens = down.token_ids
         for stream, count in zip(down.streams, down.counts):
             sc = streams.get(stream)
             if sc is not None:
-                sc._push(Tokens(tokens[start:start + count]))
+                first = served.pop(stream, None) if served else None
+                sc._push(Tokens(tokens[start:start + count]) if first is None
+                         else Tokens(tokens[start:start + count], first))
             start += count
         for event in down.events:
             sc = streams.get(event.stream)
             if sc is None:
                 continue
+            if served and event.stream in served and event.HasField("response"):
+                event.response.served.CopyFrom(served.pop(event.stream))
             if not event.HasField("response"):
                 sc._last(StreamError(_CODES.get(event.refused_code, grpc.StatusCode.UNKNOWN), event.refused_message))
             elif event.response.finish_reason != pb.FINISH_NONE:

@@ -6,7 +6,9 @@ default every deployment's, under PDSERVE_LOG_DIR), keeps those of one request (
 gateway's id, or by the client's X-Request-Id, which the gateway's `arrived` event
 names), orders them by time and prints them, then splits its time to first token into the
 intervals between consecutive events: those add up, by construction, to the TTFT the
-gateway saw (arrival to first token), so each interval says where that time went.
+gateway saw (arrival to first token), so each interval says where that time went. Its
+`served` line says how it was served, as the answer's x-pdserve-* headers did
+(gateway/served.py): from the gateway's `first_token` event.
 
 On a Ray cluster each node keeps its processes' logs: gather the deployment's folder from
 each node (or point --logs at a shared mount) before joining. Times are wall clock:
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import envs
-from common.trace import LOGGER_NAME
+from common.trace import LOGGER_NAME, SERVED_FIELDS
 from deploy.observe.logs import json_lines, log_files
 
 _MARK = f" {LOGGER_NAME}: "
@@ -50,6 +52,7 @@ class Timeline:
     events: list[TraceEvent]
     ttft_s: float | None = None  # gateway arrival -> gateway first token
     parts: list[tuple[TraceEvent, TraceEvent]] = field(default_factory=list)
+    served: dict = field(default_factory=dict)  # how it was served (SERVED_FIELDS), as its answer's headers said
 
     @classmethod
     def of(cls, request_id: str, events: list[TraceEvent]) -> Timeline:
@@ -57,6 +60,8 @@ class Timeline:
         arrived = next((e for e in events if e.role == "gateway" and e.name == "arrived"), None)
         first = next((e for e in events if e.role == "gateway" and e.name == "first_token"), None)
         line = cls(request_id, arrived.fields.get("client_request_id") if arrived else None, events)
+        if first is not None:
+            line.served = {k: first.fields[k] for k in SERVED_FIELDS if first.fields.get(k) is not None}
         if arrived is not None and first is not None:
             line.ttft_s = first.t - arrived.t
             span = [e for e in events if arrived.t <= e.t <= first.t]
@@ -67,6 +72,7 @@ class Timeline:
         t0 = self.events[0].t if self.events else 0.0
         return {
             "request_id": self.request_id, "client_request_id": self.client_request_id, "ttft_s": self.ttft_s,
+            "served": self.served,
             "events": [{"t": e.t, "offset_s": e.t - t0, "request_id": e.request_id, "process": e.process,
                         "event": e.name, **e.fields} for e in self.events],
             "ttft_parts": [{"from": f"{a.role} {a.name}", "to": f"{b.role} {b.name}", "seconds": b.t - a.t}
@@ -80,7 +86,10 @@ class Timeline:
         head = f"request {self.request_id}" + (f" (X-Request-Id {self.client_request_id})"
                                                if self.client_request_id else "")
         width = max(len(e.process) for e in self.events)
-        rows = [head, f"  {'at ms':>9}  {'+ms':>8}  {'process':<{width}}  {'event':<15} details"]
+        rows = [head]
+        if self.served:
+            rows.append("served: " + " ".join(f"{k}={v}" for k, v in self.served.items()))
+        rows.append(f"  {'at ms':>9}  {'+ms':>8}  {'process':<{width}}  {'event':<15} details")
         prev = t0
         for e in self.events:
             details = " ".join(f"{k}={_fmt(k, v)}" for k, v in e.fields.items() if v is not None)

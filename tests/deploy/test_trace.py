@@ -20,9 +20,9 @@ DECODE = ["arrived", "admitted", "scheduled", "prefill_sent", "kv_ready", "first
 PREFILL = ["arrived", "scheduled", "computed", "push_posted", "replied"]
 
 
-def _stream(url: str, client_id: str, prompt: str) -> tuple[float, str]:
+def _stream(url: str, client_id: str, prompt: str) -> tuple[float, str, dict[str, str]]:
     """A streamed completion, read to its end; (seconds from sending it to its first token's
-    chunk, its id)."""
+    chunk, its id, its x-pdserve-* headers: how it was served)."""
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
             "ignore_eos": True}
     ttft, rid = None, None
@@ -30,13 +30,14 @@ def _stream(url: str, client_id: str, prompt: str) -> tuple[float, str]:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"X-Request-Id": client_id},
                       timeout=120) as r:
         assert r.status_code == 200
+        served = {k: v for k, v in r.headers.items() if k.startswith("x-pdserve-")}
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
                 chunk = json.loads(line[5:])
                 if ttft is None and chunk["choices"] and chunk["choices"][0]["text"]:
                     ttft, rid = time.time() - t0, chunk["id"]
     assert ttft is not None, "no token came"
-    return ttft, rid
+    return ttft, rid, served
 
 
 def _first(line: Timeline, role: str, name: str) -> TraceEvent:
@@ -62,7 +63,7 @@ def test_a_disaggregated_request_has_one_timeline_across_its_three_processes(sys
     url, prefill, decode = system
     logs = decode.log_path.parent
     client_id = f"trace-{uuid.uuid4().hex[:8]}"
-    client_ttft, rid = _stream(url, client_id, f"{client_id}: tell me about the tides of the northern seas")
+    client_ttft, rid, served = _stream(url, client_id, f"{client_id}: tell me about the tides of the northern seas")
     line = _wait_for_finish(logs, client_id)
     assert line.request_id == rid and line.client_request_id == client_id
     for role, names in (("gateway", GATEWAY), ("decode", DECODE), ("prefill", PREFILL)):
@@ -81,17 +82,24 @@ def test_a_disaggregated_request_has_one_timeline_across_its_three_processes(sys
     assert 0 < line.ttft_s <= client_ttft
     kv = _first(line, "decode", "kv_ready").fields
     assert kv["prefill_worker"] == prefill.address and kv["prefill_compute_s"] > 0
+    # How it was served, as its headers said: the same facts, from the gateway's first_token event.
+    assert {f"x-pdserve-{k.replace('_', '-')}": str(v) for k, v in line.served.items()} == served
+    assert line.served["prefill"] == "remote" and line.served["kv_blocks"] == kv["blocks"] > 0
+    assert line.served["prefill_worker"] == prefill.address and line.served["decode_worker"] == decode.address
 
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "trace", client_id, "--logs", str(logs)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"request {rid} (X-Request-Id {client_id})" in out.stdout and "TTFT" in out.stdout
+    assert (f"served: decode_worker={decode.address} prefill=remote prefill_worker={prefill.address} "
+            f"kv_blocks={kv['blocks']} cached_tokens=0") in out.stdout, out.stdout
     for name in ("kv_ready", "push_posted", "computed"):
         assert name in out.stdout
     as_json = subprocess.run([sys.executable, "-m", "deploy.cli", "trace", rid, "--logs", str(logs), "--json"],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     [parsed] = json.loads(as_json.stdout)
     assert parsed["request_id"] == rid and abs(parsed["ttft_s"] - line.ttft_s) < 1e-9
+    assert parsed["served"] == line.served
     missing = subprocess.run([sys.executable, "-m", "deploy.cli", "trace", "no-such-request", "--logs", str(logs)],
                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert missing.returncode == 1 and "no trace events of 'no-such-request'" in missing.stderr

@@ -1,0 +1,56 @@
+"""How a request was served, as its answer's headers say it, so a client can check that
+disaggregation happened (and `pdserve trace`, from the gateway's `first_token` event):
+
+    x-pdserve-decode-worker: 127.0.0.1:7102        the decode worker (gRPC address) it ran on
+    x-pdserve-prefill: remote                      or local
+    x-pdserve-prefill-worker: 127.0.0.1:7101       remote: the prefill worker whose KV it decodes from
+    x-pdserve-kv-blocks: 3                         remote: the KV blocks that came over from it
+    x-pdserve-local-prefill-reason: below_threshold  local: why (below)
+    x-pdserve-cached-tokens: 0                     prompt tokens the decode worker's prefix cache served
+
+A streamed answer's headers leave with its first bytes, so all of this comes on the request's
+first message from its decode worker (pb.Served, decode/worker.py); a whole answer carries
+the same. Local prefill reasons (pb.LocalPrefill): no_prefill_worker, below_threshold,
+prefix_cache_hit, and the fallbacks of a remote prefill: send_failed, prefill_failed,
+transfer_failed, deadline, abort_unconfirmed. With n > 1 they describe the first choice; a
+replay on another decode worker after the answer began is in the trace, not the headers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.trace import SERVED_FIELDS
+from rpc import pdserve_pb2 as pb
+from rpc.convert import local_prefill_name
+
+HEADER_PREFIX = "x-pdserve-"
+
+
+@dataclass(frozen=True)
+class Served:
+    decode_worker: str
+    prefill: str | None  # "remote" or "local"; None: the decode worker did not say (one older than pb.Served)
+    prefill_worker: str | None = None
+    kv_blocks: int | None = None
+    local_prefill_reason: str | None = None
+    cached_tokens: int | None = None
+
+    @classmethod
+    def of(cls, decode_worker: str, first: pb.GenerateResponse) -> Served:
+        """From the request's first message from `decode_worker`."""
+        if not first.HasField("served"):
+            return cls(decode_worker, None)
+        s = first.served
+        if s.prefill_worker:
+            return cls(decode_worker, "remote", prefill_worker=s.prefill_worker, kv_blocks=s.kv_blocks,
+                       cached_tokens=s.cached_prompt_tokens)
+        return cls(decode_worker, "local", local_prefill_reason=local_prefill_name(s.local_prefill),
+                   cached_tokens=s.cached_prompt_tokens)
+
+    def fields(self) -> dict[str, str | int]:
+        """The facts known, by name (common/trace.py SERVED_FIELDS)."""
+        return {name: v for name in SERVED_FIELDS if (v := getattr(self, name)) is not None}
+
+    def headers(self) -> dict[str, str]:
+        return {HEADER_PREFIX + name.replace("_", "-"): str(v) for name, v in self.fields().items()}

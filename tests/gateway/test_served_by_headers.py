@@ -1,0 +1,149 @@
+"""Every answer says how it was served (gateway/served.py): remote prefill on which prefill
+worker with how many KV blocks, or local prefill and why, the decode worker and the prompt
+tokens its prefix cache served. Real gateways over real workers: the shared 1P+1D system on
+both ways to the decode worker (its Streams call, and one Generate call a request), its
+decode worker alone behind a gateway with no prefill worker (aggregated), and a decode
+worker that prefills short prompts itself (--local-prefill-threshold)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import pytest
+
+from bench.harness.gateway_procs import CHAT, data_lines, gateway
+from bench.harness.worker_procs import start_workers
+
+THRESHOLD = 64  # the threshold worker's --local-prefill-threshold
+
+
+@pytest.fixture(scope="module")
+def per_request(system, smollm2_dir, tmp_path_factory):
+    """A gateway over `system`'s workers that opens one Generate call per request."""
+    _, prefill, decode = system
+    with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path_factory.mktemp("req") / "gateway.log",
+                 "--decode-streams", "request") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def threshold(system, smollm2_dir, tmp_path_factory):
+    """A decode worker that prefills prompts of at most THRESHOLD uncached tokens itself,
+    with `system`'s prefill worker for the rest; yields (url, decode worker)."""
+    _, prefill, _ = system
+    logs = tmp_path_factory.mktemp("threshold")
+    (decode,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "256", "--local-prefill-threshold",
+                                           str(THRESHOLD)], {})], smollm2_dir, logs, timeout_s=120)
+    try:
+        with gateway(smollm2_dir, [decode.address], [prefill.address], logs / "gateway.log") as url:
+            yield url, decode
+    finally:
+        decode.stop()
+
+
+def _long_prompt() -> str:
+    """About 200 tokens none of which any earlier request cached (its first words are new)."""
+    return f"{uuid.uuid4().hex} " + "The tides of the northern seas rise and fall with the moon. " * 16
+
+
+def _complete(url: str, prompt: str, stream: bool) -> tuple[httpx.Headers, dict]:
+    """A completion's headers and its usage (streamed: from the usage chunk)."""
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    if not stream:
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        return resp.headers, resp.json()["usage"]
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        chunks = [json.loads(line[6:]) for line in data_lines(resp.iter_lines()) if line != "data: [DONE]"]
+    return resp.headers, chunks[-1]["usage"]
+
+
+def _served(headers: httpx.Headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.startswith("x-pdserve-")}
+
+
+def _remote(headers: httpx.Headers, usage: dict, prefill, decode) -> None:
+    """Remote prefill on `prefill`, decoded on `decode`: the KV blocks that came over are the
+    prompt's blocks past those the decode worker's prefix cache held."""
+    block = decode.stats().block_size
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert _served(headers) == {
+        "x-pdserve-decode-worker": decode.address, "x-pdserve-prefill": "remote",
+        "x-pdserve-prefill-worker": prefill.address,
+        "x-pdserve-kv-blocks": str(-(-usage["prompt_tokens"] // block) - cached // block),
+        "x-pdserve-cached-tokens": str(cached)}
+
+
+def _local(headers: httpx.Headers, reason: str, decode, cached: int | None = None) -> None:
+    served = _served(headers)
+    assert {k: v for k, v in served.items() if k != "x-pdserve-cached-tokens"} == {
+        "x-pdserve-decode-worker": decode.address, "x-pdserve-prefill": "local",
+        "x-pdserve-local-prefill-reason": reason}, served
+    assert cached is None or served["x-pdserve-cached-tokens"] == str(cached), served
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("path", ["worker", "request"])
+def test_a_remote_prefill_names_its_prefill_worker_and_the_kv_blocks_that_came_over(system, per_request, path,
+                                                                                     stream):
+    url, prefill, decode = system
+    url = url if path == "worker" else per_request
+    prompt = _long_prompt()
+    headers, usage = _complete(url, prompt, stream)
+    assert usage["prompt_tokens"] > 2 * decode.stats().block_size
+    _remote(headers, usage, prefill, decode)
+    assert headers["x-pdserve-cached-tokens"] == "0"
+    # Again: the decode worker's prefix cache holds its full blocks, and only the rest comes over.
+    headers, usage = _complete(url, prompt, stream)
+    _remote(headers, usage, prefill, decode)
+    assert int(headers["x-pdserve-cached-tokens"]) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_aggregated_system_prefills_locally_for_want_of_a_prefill_worker(system, aggregated, stream):
+    _, _, decode = system
+    url = str(aggregated.base_url).removesuffix("/v1/")
+    headers, _ = _complete(url, _long_prompt(), stream)
+    _local(headers, "no_prefill_worker", decode, cached=0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_messages_answer_carries_the_same_headers(system, stream):
+    url, prefill, decode = system
+    body = {"model": "smollm2", "max_tokens": 3, "messages": [{"role": "user", "content": _long_prompt()}],
+            "stream": stream}
+    resp = httpx.post(f"{url}/v1/messages", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    served = _served(resp.headers)
+    assert served["x-pdserve-prefill"] == "remote" and served["x-pdserve-prefill-worker"] == prefill.address
+    assert served["x-pdserve-decode-worker"] == decode.address and int(served["x-pdserve-kv-blocks"]) > 0
+
+
+def test_a_chat_answer_streamed_or_not_carries_the_headers(system):
+    url, _, decode = system
+    for stream in (False, True):
+        body = {"model": "smollm2", "messages": CHAT, "max_tokens": 2, "temperature": 0, "stream": stream}
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200
+        assert _served(resp.headers)["x-pdserve-decode-worker"] == decode.address
+        assert _served(resp.headers)["x-pdserve-prefill"] == "remote"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_below_the_threshold_or_cached_down_to_it_a_prompt_is_prefilled_where_it_decodes(system, threshold, stream):
+    _, prefill, _ = system
+    url, decode = threshold
+    headers, _ = _complete(url, f"{uuid.uuid4().hex}: a short prompt", stream)
+    _local(headers, "below_threshold", decode, cached=0)
+    prompt = _long_prompt()
+    headers, usage = _complete(url, prompt, stream)
+    assert usage["prompt_tokens"] > THRESHOLD
+    _remote(headers, usage, prefill, decode)
+    # The same prompt again: its prefix cache leaves fewer than THRESHOLD tokens uncached.
+    headers, usage = _complete(url, prompt, stream)
+    assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] <= THRESHOLD
+    _local(headers, "prefix_cache_hit", decode, cached=usage["prompt_tokens_details"]["cached_tokens"])
