@@ -53,10 +53,10 @@ class PoolConfig:
     and the engine flags each worker process starts with."""
 
     replicas: int = 1  # prefill: 0 = aggregated (decode workers prefill locally); decode: >= 1
-    num_cpus: float = 1.0  # Ray resources reserved per worker (its placement group bundle)
+    num_cpus: float = 1.0  # Ray resources reserved per rank (one placement group bundle each)
     num_gpus: float = 0.0
-    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources, e.g. {"prefill": 1}
-    tp_size: int = 1  # tensor parallelism: reserved, must be 1
+    resources: dict[str, float] = field(default_factory=dict)  # custom Ray resources per worker, e.g. {"prefill": 1}
+    tp_size: int = 1  # tensor parallelism: ranks per worker, one process and one bundle each, on one node
     kv_blocks: int | None = None  # KV pool size in blocks; None: sized by kv_memory_gib
     kv_memory_gib: float = 1.0
     threads: int = 1  # torch threads per worker process
@@ -68,26 +68,33 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "replicas", "num_cpus", "num_gpus")
-        _at_least(self, 1, "kv_blocks", "threads", "max_num_batched_tokens", "max_num_seqs", "max_waiting")
+        _at_least(self, 1, "kv_blocks", "threads", "max_num_batched_tokens", "max_num_seqs", "max_waiting",
+                  "tp_size")
         _at_least(self, 0, "kv_memory_gib", "stall_timeout_s", strict=True)
         for name, amount in self.resources.items():
             _require(name not in ("CPU", "GPU"), f"resources.{name}", "use num_cpus / num_gpus instead")
             _require(amount >= 0, f"resources.{name}", f"must be at least 0, got {amount}")
-        _require(self.tp_size == 1, "tp_size",
-                 f"tensor parallelism is not supported yet (got {self.tp_size}); use 1 and more replicas")
 
     def worker_args(self) -> list[str]:
         """Flags for `python -m prefill|decode` (the launcher adds --model, --dtype, --port...)."""
         kv = ("--kv-memory-gib", self.kv_memory_gib) if self.kv_blocks is None else ("--kv-blocks", self.kv_blocks)
-        return [kv[0], str(kv[1]), "--threads", str(self.threads),
+        # KV transfer between tensor-parallel workers is not written yet: such a worker serves aggregated
+        tp = ["--tensor-parallel-size", str(self.tp_size), "--no-transfer"] if self.tp_size > 1 else []
+        return [kv[0], str(kv[1]), "--threads", str(self.threads), *tp,
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-num-seqs", str(self.max_num_seqs), "--max-waiting", str(self.max_waiting),
                 "--stall-timeout", str(self.stall_timeout_s), *self.extra_args]
 
-    def bundle(self) -> dict[str, float]:
-        """One worker's placement group bundle."""
+    def bundles(self) -> list[dict[str, float]]:
+        """One worker's placement group: a bundle per rank (`num_cpus`, `num_gpus` each;
+        the custom `resources` in rank 0's, once per worker), packed on one node."""
         gpus = {"GPU": self.num_gpus} if self.num_gpus > 0 else {}
-        return {"CPU": self.num_cpus, **gpus, **self.resources}
+        rank = {"CPU": self.num_cpus, **gpus}
+        return [{**rank, **self.resources}] + [dict(rank) for _ in range(self.tp_size - 1)]
+
+    @property
+    def cpus_per_worker(self) -> float:
+        return self.num_cpus * self.tp_size
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,13 @@ class DeployConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.decode.replicas >= 1, "decode.replicas",
                  f"must be at least 1 (decode workers serve every request), got {self.decode.replicas}")
+        _require(self.prefill.tp_size == 1, "prefill.tp_size",
+                 f"tensor-parallel prefill workers need KV transfer between tensor-parallel workers, which is "
+                 f"not written yet (got {self.prefill.tp_size}); use 1")
+        _require(self.decode.tp_size == 1 or (self.prefill.replicas == 0 and not self.planner.enabled),
+                 "decode.tp_size", f"a tensor-parallel decode worker ({self.decode.tp_size}) serves aggregated only "
+                 "so far (KV transfer between tensor-parallel workers is not written yet): set prefill.replicas "
+                 "to 0 and leave the planner off")
         _at_least(self, 0, "health_interval_s", "health_timeout_s", "ready_timeout_s", strict=True)
         _at_least(self, 0, "drain_timeout_s")
         _at_least(self, 1, "unhealthy_after")

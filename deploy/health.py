@@ -13,6 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from deploy.slot import HostReport, Slot
+from worker.exit_codes import describe
 
 
 class Action(enum.Enum):
@@ -42,10 +43,10 @@ def judge_report(slot: Slot, report: HostReport | None) -> Decision:
         if report.address:
             return Decision(Action.ADOPT)
         if not report.alive:
-            return Decision(Action.RESTART, "its new process exited")  # the new one died too
+            return Decision(Action.RESTART, f"its new process exited ({describe(report.exit_code)})")  # died too
         return Decision(Action.WAIT)
     if not report.alive:
-        return Decision(Action.RESTART, "its process exited")
+        return Decision(Action.RESTART, f"its process exited ({describe(report.exit_code)})")
     return Decision(Action.CHECK)
 
 

@@ -121,7 +121,7 @@ class WorkerHost:
     def info(self) -> HostReport:
         return HostReport(self.address, self.process.alive(), self.process.proc.pid, os.getpid(), self.incarnation,
                           ray.get_runtime_context().get_node_id(), str(self.process.log_path), self.role,
-                          self.worker_id)
+                          self.worker_id, self.process.proc.returncode)
 
     def stop(self, timeout_s: float) -> int:
         """SIGTERM; SIGKILL past `timeout_s`, the worker's shutdown bound (the controller's)."""

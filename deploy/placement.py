@@ -1,10 +1,11 @@
 """Where the controller's workers run: placing one on the cluster, waiting for it to serve,
 taking on a new incarnation of it, and taking it off again.
 
-Each worker gets a placement group of its own (one bundle with its pool's resources, so a
-pool grows and shrinks one worker at a time and a TP group can later be several bundles of
-one group) and a host actor in it (deploy/hosts.py `WorkerHost`), which starts the worker's
-process and reports on it. A placed worker is `starting` (deploy/membership.py) until the
+Each worker gets a placement group of its own (a pool grows and shrinks one worker at a
+time): one bundle per tensor-parallel rank, strictly packed on one node, and a host actor
+in the first (deploy/hosts.py `WorkerHost`), which starts the worker's process and reports
+on it; that process is rank 0 and starts the other ranks itself, on the node the group
+reserved for them. A placed worker is `starting` (deploy/membership.py) until the
 scale that placed it adds it to its pool (deploy/scaling.py).
 """
 
@@ -50,11 +51,12 @@ class Placement:
         The slot is `starting` until it joins its pool."""
         pool = self.pool(role)
         worker_id = self.membership.new_worker_id(role)
-        bundle = pool.bundle()
-        pg = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{role}-{worker_id}")
+        bundles = pool.bundles()  # one per tensor-parallel rank; the host actor (rank 0) takes the first
+        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"pdserve-{role}-{worker_id}")
         if not _wait(pg.ready(), PLACEMENT_TIMEOUT_S):
             remove_placement_group(pg)
-            raise RuntimeError(f"cannot place a {role} worker: no node has {bundle} free "
+            need = bundles[0] if len(bundles) == 1 else f"{len(bundles)} bundles {bundles}"
+            raise RuntimeError(f"cannot place a {role} worker: no node has {need} free "
                                f"(waited {PLACEMENT_TIMEOUT_S:.0f}s)")
         options = {"num_cpus": pool.num_cpus, "num_gpus": pool.num_gpus, "resources": dict(pool.resources),
                    "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}

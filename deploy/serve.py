@@ -39,6 +39,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "else float32), bfloat16, float32 or float16")
     serve.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = aggregated)")
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
+    serve.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (YAML prefill.tp_size)")
+    serve.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (YAML decode.tp_size; "
+                       "more than 1 serves aggregated only so far: --prefill 0)")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gateway port (default 8000)")
     serve.add_argument("--gateways", type=int, help="gateway processes on that port (default 1; "
@@ -91,7 +94,8 @@ def _embedded_on_loopback() -> None:
 def load_config(args: argparse.Namespace) -> DeployConfig:
     config = DeployConfig.from_yaml(args.config) if args.config else DeployConfig()
     config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
-                                   decode_replicas=args.decode, host=args.host, port=args.port,
+                                   decode_replicas=args.decode, prefill_tp_size=args.prefill_tp,
+                                   decode_tp_size=args.decode_tp, host=args.host, port=args.port,
                                    processes=args.gateways)
     if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
         from deploy.planner.profile import Profile
@@ -150,7 +154,8 @@ def run_serve(args: argparse.Namespace) -> int:
         _say(f"joining the Ray cluster at {address}")
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     else:
-        pools = config.prefill.replicas * config.prefill.num_cpus + config.decode.replicas * config.decode.num_cpus
+        pools = (config.prefill.replicas * config.prefill.cpus_per_worker
+                 + config.decode.replicas * config.decode.cpus_per_worker)
         cpus = args.num_cpus or max(os.cpu_count() or 1, int(pools + 0.999))
         _say(f"starting an embedded Ray with {cpus} CPUs")
         ray.init(address="local", num_cpus=cpus, namespace=NAMESPACE, include_dashboard=False,

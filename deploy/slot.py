@@ -31,6 +31,7 @@ class HostReport:
     log: str
     role: str = ""  # what the process serves: a restarted host starts it in the role it was placed with
     worker_id: str = ""
+    exit_code: int | None = None  # once the process ended: its code (negative: the signal that killed it)
 
 
 @dataclass

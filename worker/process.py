@@ -28,6 +28,7 @@ from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc import proof
 from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
+from worker.exit_codes import RANK_LOST
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop
 from worker.role_change import RoleChange, RoleChanges
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_WAITING = 256
 _SIGNAL_POLL_S = 0.5
 CONTROL_RPC_THREADS = 16  # Health, Stats, Abort, SetPeers, TransferInfo, Prove: short calls
-EXIT_RANK_LOST = 70  # a tensor-parallel rank of this worker died: the group is replaced as a whole
 
 
 def worker_arguments(role: str) -> argparse.ArgumentParser:
@@ -90,9 +90,9 @@ def _end_with_lost_rank(what: str) -> None:
     worker ends at once, as a crashed worker would (its peers move or fail its requests
     and the deployment replaces the whole group); its other ranks see rank 0 gone and end."""
     log.critical("tensor-parallel %s: the group cannot step; ending this worker (exit code %d) so that it is "
-                 "replaced as a whole", what, EXIT_RANK_LOST)
+                 "replaced as a whole", what, RANK_LOST)
     logging.shutdown()
-    os._exit(EXIT_RANK_LOST)
+    os._exit(RANK_LOST)
 
 
 def engine_configs(args: argparse.Namespace, model_len: int) -> tuple[CacheConfig, SchedulerConfig]:

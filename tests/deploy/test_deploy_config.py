@@ -37,10 +37,10 @@ def test_examples_say_what_they_promise():
     cpu, gpu, multi = (DeployConfig.from_yaml(ROOT / "deploy" / "configs" / f"{name}.yaml")
                        for name in ("cpu-single-node", "gpu-8x-node", "multi-node"))
     assert cpu.model == "smollm2" and cpu.prefill.replicas == cpu.decode.replicas == 1
-    assert cpu.decode.bundle() == {"CPU": 1.0} and (cpu.gateway.host, cpu.gateway.port) == ("127.0.0.1", 8000)
+    assert cpu.decode.bundles() == [{"CPU": 1.0}] and (cpu.gateway.host, cpu.gateway.port) == ("127.0.0.1", 8000)
     assert gpu.prefill.replicas + gpu.decode.replicas == 8
-    assert gpu.decode.bundle() == {"CPU": 4.0, "GPU": 1.0} and gpu.gateway.host == "0.0.0.0"
-    assert multi.prefill.bundle()["prefill"] == 1 and multi.decode.bundle()["decode"] == 1
+    assert gpu.decode.bundles() == [{"CPU": 4.0, "GPU": 1.0}] and gpu.gateway.host == "0.0.0.0"
+    assert multi.prefill.bundles()[0]["prefill"] == 1 and multi.decode.bundles()[0]["decode"] == 1
 
 
 def test_empty_file_and_empty_sections_are_the_defaults(tmp_path):
@@ -132,10 +132,17 @@ def test_out_of_range_values_are_refused(tmp_path, text, message):
     assert message in str(e.value)
 
 
-def test_tensor_parallelism_is_refused_clearly(tmp_path):
+def test_tensor_parallelism_is_aggregated_decode_only_so_far_and_says_so(tmp_path):
+    assert load(tmp_path, "prefill: {replicas: 0}\ndecode: {tp_size: 2}\n").decode.tp_size == 2
     with pytest.raises(ConfigError) as e:
         load(tmp_path, "decode: {tp_size: 2}\n")
-    assert "x.yaml: decode.tp_size: tensor parallelism is not supported yet (got 2)" in str(e.value)
+    assert "x.yaml: decode.tp_size: a tensor-parallel decode worker (2) serves aggregated only" in str(e.value)
+    assert "set prefill.replicas to 0 and leave the planner off" in str(e.value)
+    with pytest.raises(ConfigError, match=r"x\.yaml: prefill\.tp_size: tensor-parallel prefill workers need KV "
+                                          r"transfer between tensor-parallel workers, which is not written yet"):
+        load(tmp_path, "prefill: {tp_size: 2}\n")
+    with pytest.raises(ConfigError, match=r"decode\.tp_size: must be at least 1, got 0"):
+        load(tmp_path, "prefill: {replicas: 0}\ndecode: {tp_size: 0}\n")
 
 
 def test_missing_file_and_bad_yaml_are_clear(tmp_path):
@@ -176,11 +183,17 @@ def test_worker_args_parse_with_the_workers_own_parser():
     assert out.split() == ["64", "2", "32"]
 
 
-def test_bundle_reserves_what_the_pool_asks():
-    assert PoolConfig().bundle() == {"CPU": 1.0}
-    assert PoolConfig(num_cpus=4, num_gpus=1, resources={"prefill": 1}).bundle() == \
-        {"CPU": 4, "GPU": 1, "prefill": 1}
-    assert "GPU" not in PoolConfig(num_gpus=0).bundle()
+def test_bundles_reserve_what_the_pool_asks_one_per_rank():
+    assert PoolConfig().bundles() == [{"CPU": 1.0}]
+    assert PoolConfig(num_cpus=4, num_gpus=1, resources={"prefill": 1}).bundles() == \
+        [{"CPU": 4, "GPU": 1, "prefill": 1}]
+    assert "GPU" not in PoolConfig(num_gpus=0).bundles()[0]
+    tp = PoolConfig(num_cpus=2, num_gpus=1, resources={"decode": 1}, tp_size=3)
+    assert tp.bundles() == [{"CPU": 2, "GPU": 1, "decode": 1}, {"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
+    assert tp.cpus_per_worker == 6
+    args = tp.worker_args()
+    assert args[args.index("--tensor-parallel-size") + 1] == "3" and "--no-transfer" in args
+    assert "--tensor-parallel-size" not in PoolConfig().worker_args()
 
 
 def test_gateway_args_only_name_what_is_set():

@@ -10,15 +10,18 @@ def _slot(incarnation: int = 5) -> Slot:
     return Slot("decode", "0", pg=None, host=None, state=SlotState.READY, address="127.0.0.1:1", incarnation=incarnation)
 
 
-def _report(incarnation: int = 5, address: str = "127.0.0.1:1", alive: bool = True, role: str = "decode") -> HostReport:
-    return HostReport(address, alive, 100, 99, incarnation, "node", "/log", role, "0")
+def _report(incarnation: int = 5, address: str = "127.0.0.1:1", alive: bool = True, role: str = "decode",
+            exit_code: int | None = None) -> HostReport:
+    return HostReport(address, alive, 100, 99, incarnation, "node", "/log", role, "0", exit_code)
 
 
 def test_each_report_leads_to_one_decision():
     assert judge_report(_slot(), None).action is Action.HOST_LOST
     assert judge_report(_slot(), _report()).action is Action.CHECK
-    died = judge_report(_slot(), _report(alive=False))
-    assert died.action is Action.RESTART and "process exited" in died.why
+    died = judge_report(_slot(), _report(alive=False, exit_code=-9))
+    assert died.action is Action.RESTART and died.why == "its process exited (killed by signal 9)"
+    rank = judge_report(_slot(), _report(alive=False, exit_code=70))
+    assert rank.why == "its process exited (code 70: a tensor-parallel rank of the worker died)"
     assert judge_report(_slot(), _report(incarnation=6, address="")).action is Action.WAIT
     assert judge_report(_slot(), _report(incarnation=6, address="127.0.0.1:2")).action is Action.ADOPT
     again = judge_report(_slot(), _report(incarnation=6, address="", alive=False))

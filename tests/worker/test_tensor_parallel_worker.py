@@ -24,7 +24,7 @@ from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from tests.worker.grpc_calls import RPC_TIMEOUT_S, assert_idle, generate, generate_request, random_prompt, wait_logged
-from worker.process import EXIT_RANK_LOST
+from worker.exit_codes import RANK_LOST
 
 ARGS = ["--no-transfer", "--tensor-parallel-size", "2", "--dtype", "float32", "--kv-blocks", "64",
         "--max-num-batched-tokens", "32"]
@@ -91,7 +91,7 @@ def test_two_rank_worker_serves_one_ranks_tokens_and_ends_whole_when_a_rank_dies
         t.start()
         assert first.wait(RPC_TIMEOUT_S)
         os.kill(pids[0], signal.SIGKILL)
-        assert d.proc.wait(timeout=60) == EXIT_RANK_LOST
+        assert d.proc.wait(timeout=60) == RANK_LOST
         t.join(RPC_TIMEOUT_S)
         assert not t.is_alive()
         assert stream_error["error"] == grpc.StatusCode.UNAVAILABLE  # ended with the worker, not finished

@@ -1,0 +1,66 @@
+"""A deployment whose decode worker is tensor-parallel (YAML `decode.tp_size: 3`, SmolLM2's
+9 query and 3 KV heads, aggregated): Ray reserves its three ranks as one placement group,
+it serves greedy text equal to one rank's, and when one of its ranks is killed (kill -9)
+the whole worker is replaced: the stream in flight ends with an error event (never a hang),
+the old group's processes all end, and a new group serves again."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import psutil
+from openai import OpenAI
+
+from bench.harness.deploy_procs import CHAT, deployment_status, serving, wait_for
+from bench.harness.worker_procs import free_port
+from common.sampling_params import SamplingParams
+from engine import LLM
+
+
+def _ranks(worker_pid: int) -> list[psutil.Process]:
+    """The worker's other ranks: the processes it spawned (multiprocessing's resource tracker aside)."""
+    return [p for p in psutil.Process(worker_pid).children()
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_rank_dies(smollm2_dir, tmp_path):
+    with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64) as one:
+        want = one.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))[0].text
+    config = tmp_path / "tp.yaml"
+    config.write_text("dtype: float32\nprefill: {replicas: 0}\ndecode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n")
+    port = free_port()
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
+    with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "3") as (_, address):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == want
+
+        (before,) = deployment_status(address)["pools"]["decode"]
+        ranks = _ranks(before["pid"])
+        assert len(ranks) == 2, [p.cmdline() for p in psutil.Process(before["pid"]).children()]
+        body = {"model": "smollm2", "messages": CHAT, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            assert "error" not in next(lines)
+            os.kill(ranks[1].pid, signal.SIGKILL)  # rank 2 of the group
+            rest = list(lines)  # ends: an error event, then [DONE]; never a hang
+        assert rest[-1] == "data: [DONE]" and "error" in rest[-2], rest[-3:]
+        _, alive = psutil.wait_procs([psutil.Process(before["pid"]), ranks[0]], timeout=30)
+        assert not alive, "the rest of the old group outlived its killed rank"
+
+        def replaced():
+            (now,) = deployment_status(address)["pools"]["decode"]
+            return now["state"] == "ready" and now["incarnation"] != before["incarnation"] and now
+        after = wait_for(replaced, 180, "a new decode incarnation", log)
+        assert after["restarts"] >= 1 and len(_ranks(after["pid"])) == 2
+        assert "decode worker 0: its process exited (code 70: a tensor-parallel rank of the worker died)" \
+            in log.read_text()
+
+        def served():
+            try:
+                return client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+            except Exception:
+                return None
+        assert wait_for(served, 60, "serving after the replacement").choices[0].message.content == want
