@@ -29,6 +29,7 @@ from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
 from gateway.metrics import SLO
+from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
 from gateway.shared_membership import SharedMembership
 from gateway.tenant_table import TenantTable
@@ -75,6 +76,11 @@ def main() -> None:
     ap.add_argument("--header-timeout", type=float, default=10.0,
                     help="seconds a connection has to deliver a whole request head (from opening, or from the "
                          "end of its last response) before a 408 and close")
+    ap.add_argument("--response-store-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                    help="bytes of stored responses kept for previous_response_id, per process, oldest dropped "
+                         "first (default 64 MiB; 0: none stored)")
+    ap.add_argument("--response-store-ttl", type=float, default=DEFAULT_MAX_AGE_S,
+                    help="seconds a stored response is kept (default one hour)")
     ap.add_argument("--admin-port", type=int, default=0,
                     help="with PDSERVE_ADMIN_TOKEN: the port of the admin socket, on 127.0.0.1 only (default: any free)")
     ap.add_argument(OPT_IN_FLAG, dest="insecure_no_api_keys", action="store_true",
@@ -91,6 +97,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.processes < 1:
         ap.error("--processes must be >= 1")
+    if args.response_store_bytes < 0 or not args.response_store_ttl > 0:
+        ap.error("--response-store-bytes must be >= 0 and --response-store-ttl > 0")
     per_ip = args.max_connections_per_ip
     if per_ip is None:  # a quarter: one address cannot hold every slot, a busy one rarely meets it
         per_ip = max(1, args.max_connections // 4)
@@ -132,7 +140,8 @@ def main() -> None:
                            max_output_tokens=args.max_output_tokens, admin_token=admin_token,
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
-                           decode_streams=args.decode_streams)
+                           decode_streams=args.decode_streams, response_store_bytes=args.response_store_bytes,
+                           response_store_ttl_s=args.response_store_ttl)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip

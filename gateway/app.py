@@ -3,6 +3,7 @@ Never imports torch.
 
     POST /v1/chat/completions, POST /v1/completions   (stream or not)
     POST /v1/messages                                  (Anthropic's API, served as a chat request)
+    POST /v1/responses, GET /v1/responses/{id}         (OpenAI's Responses API, served as a chat request)
     GET  /v1/models, /health, /ready, /metrics          (/metrics: the admin token off loopback)
     GET, PUT /admin/workers                            (the loopback admin socket only)
 
@@ -38,6 +39,15 @@ from gateway.messages_errors import AnthropicErrors
 from gateway.messages_protocol import MessagesRequest
 from gateway.messages_request import chat_request
 from gateway.metrics_access import metrics_refusal
+from gateway.openai_responses_answer import responses_answer
+from gateway.openai_responses_protocol import ResponsesRequest
+from gateway.openai_responses_request import chat_request as responses_chat_request
+from gateway.openai_responses_request import responses_error
+from gateway.openai_responses_store import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_BYTES,
+    ResponseStore,
+)
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
@@ -72,6 +82,10 @@ class GatewayConfig:
     # Streams call per worker, one message per step; "request", one Generate call each (the
     # path before Streams, kept to measure against: bench/stream_path.py).
     decode_streams: str = "worker"
+    # Stored responses for previous_response_id (gateway/openai_responses_store.py): bytes
+    # kept at most (0: none stored) and for how long.
+    response_store_bytes: int = DEFAULT_MAX_BYTES
+    response_store_ttl_s: float = DEFAULT_MAX_AGE_S
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -82,6 +96,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
     path = RequestPath(config, router, backend, admission, tokenizer)
+    response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl_s)
     controller_metrics: list[tuple[str, str]] = []  # the deploy controller's (incarnation, exposition), as of its last push
 
     @asynccontextmanager
@@ -174,6 +189,28 @@ def create_app(config: GatewayConfig) -> FastAPI:
         chat_body = chat_request(body, tokenizer.renders_tools)
         prompt, tools = await _chat_prompt(chat_body, tenant)
         return messages_answer(await path.serve("chat", chat_body, prompt, tenant, request, tools), len(prompt))
+
+    @app.post("/v1/responses")
+    async def openai_responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API: the chat request it means (gateway/openai_responses_request.py)
+        on the chat path, its answer as a response (gateway/openai_responses_answer.py)."""
+        tenant = _tenant(request)
+        chat_body, conversation = responses_chat_request(body, response_store.history(tenant.name,
+                                                                                      body.previous_response_id))
+        try:
+            prompt, tools = await _chat_prompt(chat_body, tenant)
+            answer = await path.serve("chat", chat_body, prompt, tenant, request, tools)
+        except APIError as e:
+            raise responses_error(e) from None
+        keep = response_store.keeper(tenant.name, conversation) if body.store else None
+        return responses_answer(answer, body, keep)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> dict:
+        entry = response_store.get(_tenant(request).name, response_id)
+        if entry is None:
+            raise APIError(404, f"response {response_id!r} not found", "response_id")
+        return entry.response
 
     async def _chat_prompt(body: ChatCompletionRequest, tenant: Tenant) -> tuple[list[int], ToolPlan | None]:
         """A chat request's prompt token ids and how it uses its tools, or the APIError that
