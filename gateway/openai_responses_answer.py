@@ -11,7 +11,8 @@ the whole prompt, its cached part in `input_tokens_details`). An answer with nei
 nor calls still has its message, with empty text. The request's settings are echoed as
 OpenAI's response does (instructions, tools, tool_choice, text, temperature, ...).
 
-A streamed answer keeps its response (so the chat path's ending of it, the client leaving
+Either way the answer keeps the chat answer's x-pdserve-* headers (how it was served:
+gateway/served.py). A streamed answer keeps its response (so the chat path's ending of it, the client leaving
 included, is untouched) and gets its chunks rewritten as OpenAI's events, each with a
 `sequence_number` counting from 0: `response.created`, `response.in_progress`; for the text
 `response.output_item.added`, `response.content_part.added`, a `response.output_text.delta`
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from gateway.errors import APIError
 from gateway.messages_answer import _chat_chunks
 from gateway.openai_responses_protocol import NamedFunction, ResponsesRequest
+from gateway.served import HEADER_PREFIX
 
 _FINISHED = ("stop", "length", "tool_calls")
 
@@ -60,7 +62,7 @@ def responses_answer(chat_answer: Response, body: ResponsesRequest, keep: Keep =
                         choice["message"].get("tool_calls") or [], choice["finish_reason"], completion["usage"])
     if keep is not None:
         keep(response)
-    return JSONResponse(response)
+    return JSONResponse(response, headers={k: v for k, v in chat_answer.headers.items() if k.startswith(HEADER_PREFIX)})
 
 
 def envelope(body: ResponsesRequest, rid: str, created_at: int) -> dict:
