@@ -111,8 +111,8 @@ def _hex(rid: str) -> str:
 
 
 def _usage(usage: dict) -> dict:
-    return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)},
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
@@ -190,8 +190,8 @@ class _Events:
     def emit(self, kind: str, **data) -> bytes:
         """One SSE event: its name, then its JSON (its type and sequence number first) on one
         line (ASCII: no character a line reader splits on is left raw)."""
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(self._numbers), **data})}\n\n" \
-            .encode()
+        event = {"type": kind, "sequence_number": next(self._numbers), **data}
+        return f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode()
 
     def open_message(self, rid: str) -> list[bytes]:
         item_id = f"msg_{_hex(rid)}"

@@ -31,6 +31,8 @@ from gateway.protocol import INT32_MAX
 from gateway.tools import MAX_TOOLS
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bound: 16 pairs, keys up to 64 characters, values up to 512
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 class _Strict(BaseModel):
@@ -180,7 +182,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = Field(None, min_length=1, max_length=256)
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=MAX_METADATA_PAIRS)
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA_PAIRS)  # echoed back
     user: str | None = Field(None, max_length=256)
     truncation: Literal["disabled"] | None = None  # "auto" (drop old items to fit) is not served
     # Refused with a reason when set (gateway/openai_responses_request.py):

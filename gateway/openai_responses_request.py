@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from gateway.errors import APIError
 from gateway.openai_responses_protocol import (
     BuiltInTool,
@@ -61,13 +63,17 @@ def chat_request(body: ResponsesRequest, history: Sequence[ChatMessage]) -> tupl
     if not conversation:
         raise APIError(400, "input: give at least one item (or a previous_response_id)", "input")
     system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    chat = ChatCompletionRequest(
-        model=body.model, messages=system + conversation, max_tokens=body.max_output_tokens,
-        temperature=body.temperature, top_p=body.top_p, seed=body.seed, user=body.user,
-        stream=body.stream, stream_options=StreamOptions(include_usage=True) if body.stream else None,
-        response_format=_response_format(body),
-        tools=[Tool(type="function", function=_function(t)) for t in body.tools] if body.tools else None,
-        tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls)
+    try:  # the body's own bounds are the chat request's: this only guards against their drifting apart
+        chat = ChatCompletionRequest(
+            model=body.model, messages=system + conversation, max_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, seed=body.seed, user=body.user,
+            stream=body.stream, stream_options=StreamOptions(include_usage=True) if body.stream else None,
+            response_format=_response_format(body),
+            tools=[Tool(type="function", function=_function(t)) for t in body.tools] if body.tools else None,
+            tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls)
+    except ValidationError as e:
+        error = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
     return chat, conversation
 
 
