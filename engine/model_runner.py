@@ -51,10 +51,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         step = self.prepare(out)
         sampled = step.sampled
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attention)  # [num_tokens, hidden]
-        if not sampled:
+        logits = self.forward(step)
+        if logits is None:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[step.sample_rows])  # [num_sampled, vocab]
         smeta = SamplingMetadata.build(
             [c.seq.params for c in sampled],
             [c.seq.prompt_token_ids for c in sampled],
@@ -69,6 +68,15 @@ class ModelRunner:
         if result.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+
+    def forward(self, step: PreparedStep) -> torch.Tensor | None:
+        """The model over the step and the LM head over its sampled rows ([num_sampled,
+        vocab]; None when no row is sampled): what every tensor-parallel rank runs."""
+        # [num_tokens, hidden]
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attention)
+        if not step.sampled:
+            return None
+        return self.model.compute_logits(hidden[step.sample_rows])
 
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
         """The step's tensors, from its schedule (or a follower rank's StepPlan, which reads

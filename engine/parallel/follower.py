@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.rank_clock import RankClocks
 from engine.parallel.sharded_weights import load_sharded_model
 from engine.parallel.step_plan import StepPlan
 from engine.step_buffers import StepLimits
@@ -38,7 +39,7 @@ def join_group(rendezvous: str, size: int, rank: int) -> None:
 
 
 def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,
-                  num_threads: int, plans: Connection) -> None:
+                  num_threads: int, plans: Connection, clocks: RankClocks) -> None:
     torch.set_num_threads(num_threads)
     size = config.tensor_parallel_size
     join_group(rendezvous, size, rank)
@@ -55,15 +56,14 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
                 return
             if plan is None:
                 return
-            run_plan(runner, plan)
+            run_plan(runner, plan, clocks, rank)
     finally:
         dist.destroy_process_group()
 
 
 @torch.inference_mode()
-def run_plan(runner: ModelRunner, plan: StepPlan) -> None:
-    """One step's collectives on this rank: the forward pass, and the LM head when a row is sampled."""
+def run_plan(runner: ModelRunner, plan: StepPlan, clocks: RankClocks, rank: int) -> None:
+    """One step's collectives on this rank: the forward pass, and the LM head when a row is
+    sampled (its logits dropped), timed into this rank's row of `clocks`."""
     step = runner.prepare(plan)
-    hidden = runner.model(step.input_ids, step.positions, runner.kv_cache.layers, step.attention)
-    if step.sampled:
-        runner.model.compute_logits(hidden[step.sample_rows])
+    clocks.timed(rank, runner.model.collectives, lambda: runner.forward(step))

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from functools import partial
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -23,8 +24,9 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner, PreparedStep, RunnerOutput
 from engine.parallel.follower import follower_main, join_group
+from engine.parallel.rank_clock import RankClocks
 from engine.parallel.step_plan import StepPlan
 from engine.scheduler import SchedulerOutput
 from engine.step_buffers import StepLimits
@@ -49,6 +51,7 @@ class RankGroup:
             raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine "
                                "per process")
         size = config.tensor_parallel_size
+        self.clocks = RankClocks(size)  # every rank's step and collective times (engine/parallel/rank_clock.py)
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         rendezvous = str(Path(self._dir) / "rendezvous")
         ctx = multiprocessing.get_context("spawn")
@@ -56,7 +59,8 @@ class RankGroup:
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=follower_main, daemon=True, name=f"tp-rank-{rank}",
-                               args=(config, rank, rendezvous, num_blocks, limits, torch.get_num_threads(), theirs))
+                               args=(config, rank, rendezvous, num_blocks, limits, torch.get_num_threads(), theirs,
+                                     self.clocks))
             proc.start()
             theirs.close()
             self._pipes.append(ours)
@@ -138,3 +142,6 @@ class LeaderRunner(ModelRunner):
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.ranks.send(StepPlan.of(out))
         return super().execute(out)
+
+    def forward(self, step: PreparedStep) -> torch.Tensor | None:
+        return self.ranks.clocks.timed(0, self.model.collectives, partial(ModelRunner.forward, self, step))

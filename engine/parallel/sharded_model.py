@@ -12,6 +12,8 @@ the full model's, which is what the runner, the sampler and the scheduler read.
 
 from __future__ import annotations
 
+from time import perf_counter
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -19,6 +21,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model import CausalLM, Linear
 from engine.parallel.layout import TensorParallelLayout
+from engine.parallel.rank_clock import CollectiveTimer
 
 
 class RowParallelLinear(Linear):
@@ -26,10 +29,13 @@ class RowParallelLinear(Linear):
     bias (if any) is held by rank 0 only, so it is added once."""
 
     group: dist.ProcessGroup | None = None
+    timer: CollectiveTimer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)  # [num_tokens, out]: this rank's partial sum
+        t0 = perf_counter()
         dist.all_reduce(out, group=self.group)
+        self.timer.seconds += perf_counter() - t0
         return out
 
 
@@ -39,13 +45,16 @@ class VocabParallelEmbedding(nn.Embedding):
 
     start: int = 0
     group: dist.ProcessGroup | None = None
+    timer: CollectiveTimer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
         out.masked_fill_(outside[:, None], 0)
+        t0 = perf_counter()
         dist.all_reduce(out, group=self.group)
+        self.timer.seconds += perf_counter() - t0
         return out
 
 
@@ -57,12 +66,13 @@ class ShardedCausalLM(CausalLM):
         self.cfg = cfg
         self.layout = layout
         self.group = group
+        self.collectives = CollectiveTimer()  # seconds this rank spent in the group's collectives
         embed = VocabParallelEmbedding(self.local_cfg.vocab_size, cfg.hidden_size)
-        embed.start, embed.group = layout.vocab.start, group
+        embed.start, embed.group, embed.timer = layout.vocab.start, group, self.collectives
         self.embed_tokens = embed.requires_grad_(False).to(dtype=dtype, device=device)
         for layer in self.layers:
-            layer.o_proj = _row_parallel(layer.o_proj, group)
-            layer.down_proj = _row_parallel(layer.down_proj, group)
+            layer.o_proj = _row_parallel(layer.o_proj, group, self.collectives)
+            layer.down_proj = _row_parallel(layer.down_proj, group, self.collectives)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32, on every rank
         local = super().compute_logits(hidden)  # [rows, this rank's vocab rows]
@@ -70,11 +80,13 @@ class ShardedCausalLM(CausalLM):
         if pad:
             local = nn.functional.pad(local, (0, pad))
         parts = [torch.empty_like(local) for _ in range(self.layout.size)]
+        t0 = perf_counter()
         dist.all_gather(parts, local.contiguous(), group=self.group)
+        self.collectives.seconds += perf_counter() - t0
         return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
 
 
-def _row_parallel(linear: Linear, group: dist.ProcessGroup | None) -> RowParallelLinear:
+def _row_parallel(linear: Linear, group: dist.ProcessGroup | None, timer: CollectiveTimer) -> RowParallelLinear:
     row = RowParallelLinear(linear.in_features, linear.out_features, bias=linear.bias is not None)
-    row.group = group
+    row.group, row.timer = group, timer
     return row.requires_grad_(False).to(dtype=linear.weight.dtype, device=linear.weight.device)

@@ -14,6 +14,7 @@ from common.sampling_params import SamplingParams
 from engine import LLM
 from engine.config import CacheConfig, SchedulerConfig, UnsupportedModelError
 from engine.llm_engine import LLMEngine
+from engine.parallel.rank_clock import RankTime, straggler
 
 
 def _prompts() -> list[list[int]]:
@@ -95,3 +96,30 @@ def test_a_killed_rank_fails_the_next_step_instead_of_hanging_it(tmp_path):
             engine.step()
     finally:
         engine.close()
+
+
+def test_every_rank_records_its_steps_and_its_time_in_collectives(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
+    engine = _engine(folder, 2)
+    try:
+        _generate(engine, _prompts(), 4)
+    finally:
+        engine.close()
+    times = engine.ranks.clocks.read()  # once the followers stopped: a follower records after rank 0 returns
+    assert [t.rank for t in times] == [0, 1]
+    # both ranks ran every forward pass (one per step here: a step never runs nothing)
+    assert times[0].steps == times[1].steps > 0
+    for t in times:
+        assert 0 < t.collective_s < t.step_s and t.compute_s == t.step_s - t.collective_s
+
+
+def test_a_straggler_is_the_rank_that_computes_longest_while_the_others_wait():
+    def rank(r, compute_ms, wait_ms, steps=40):
+        return RankTime(r, steps, steps * (compute_ms + wait_ms) / 1e3, steps * wait_ms / 1e3)
+
+    even = [rank(0, 10, 2), rank(1, 10.5, 1.5), rank(2, 9.8, 2.2)]
+    assert straggler(even) == ""
+    slow = [rank(0, 10, 8), rank(1, 18, 0.2), rank(2, 10, 8)]
+    assert straggler(slow).startswith("rank 1 computes 18.0 ms a step against the others' 10.0 ms (1.8x)")
+    assert straggler([rank(0, 10, 8, steps=5), rank(1, 18, 0.2, steps=5)]) == ""  # too few steps to judge
+    assert straggler([rank(0, 0.1, 0), rank(1, 0.3, 0)]) == ""  # a gap within timer noise
