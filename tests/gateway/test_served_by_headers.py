@@ -3,7 +3,8 @@ worker with how many KV blocks, or local prefill and why, the decode worker and 
 tokens its prefix cache served. Real gateways over real workers: the shared 1P+1D system on
 both ways to the decode worker (its Streams call, and one Generate call a request), its
 decode worker alone behind a gateway with no prefill worker (aggregated), and a decode
-worker that prefills short prompts itself (--local-prefill-threshold)."""
+worker that prefills short prompts itself (--local-prefill-threshold), and prefill workers
+that fail."""
 
 from __future__ import annotations
 
@@ -147,3 +148,13 @@ def test_below_the_threshold_or_cached_down_to_it_a_prompt_is_prefilled_where_it
     headers, usage = _complete(url, prompt, stream)
     assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] <= THRESHOLD
     _local(headers, "prefix_cache_hit", decode, cached=usage["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_a_remote_prefill_that_fails_is_prefilled_locally_and_says_why(system, smollm2_dir, tmp_path):
+    """The only prefill worker offered refuses every Prefill (the decode worker itself: it
+    serves only the KV it kept for a hand-off), so each request falls back to local prefill."""
+    _, _, decode = system
+    with gateway(smollm2_dir, [decode.address], [decode.address], tmp_path / "gateway.log") as url:
+        for stream in (False, True):
+            headers, _ = _complete(url, _long_prompt(), stream)
+            _local(headers, "prefill_failed", decode, cached=0)
