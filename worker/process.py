@@ -28,6 +28,7 @@ from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc import proof
 from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
+from worker import rank_metrics
 from worker.exit_codes import RANK_LOST
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop
@@ -80,6 +81,7 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size)
     if engine.ranks is not None:
         engine.ranks.on_lost = _end_with_lost_rank
+        rank_metrics.register(engine.ranks.clocks)
         log.info("tensor-parallel group of %d ranks, %d threads each: ranks 1.. are pids %s",
                  args.tensor_parallel_size, args.threads, " ".join(map(str, engine.ranks.pids)))
     return engine, path.name

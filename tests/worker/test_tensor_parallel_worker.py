@@ -23,6 +23,7 @@ from bench.harness.worker_procs import REPO, start_workers, wait_until
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from rpc import pdserve_pb2 as pb
 from tests.worker.grpc_calls import RPC_TIMEOUT_S, assert_idle, generate, generate_request, random_prompt, wait_logged
 from worker.exit_codes import RANK_LOST
 
@@ -54,6 +55,10 @@ def _rank_pids(worker) -> list[int]:
     return [int(p) for p in line.split()]
 
 
+def _sample(exposition: str, name: str, rank: str) -> float:
+    return float(re.search(rf'^{name}{{rank="{rank}"}} (\S+)$', exposition, re.MULTILINE).group(1))
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -75,6 +80,12 @@ def test_two_rank_worker_serves_one_ranks_tokens_and_ends_whole_when_a_rank_dies
             got = list(pool.map(lambda p: generate(d, p, 12, ignore_eos=True).tokens, prompts))
         assert got == want
         assert_idle(d)
+        series = d.stub.Metrics(pb.MetricsRequest(), timeout=10).exposition.decode()
+        steps = {r: _sample(series, "pdserve_engine_tp_steps_total", r) for r in ("0", "1")}
+        assert steps["0"] > 0 and steps["1"] > 0, series  # both ranks ran the steps (rank 1 may trail by one)
+        for r in ("0", "1"):
+            assert 0 < _sample(series, "pdserve_engine_tp_collective_seconds_total", r) \
+                < _sample(series, "pdserve_engine_tp_step_seconds_total", r)
 
         first, stream_error = threading.Event(), {}
 
