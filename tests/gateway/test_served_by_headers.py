@@ -8,14 +8,20 @@ that fail."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
 import httpx
 import pytest
+from grpc import aio
 
 from bench.harness.gateway_procs import CHAT, data_lines, gateway
 from bench.harness.worker_procs import start_workers
+from decode.step_batches import StepBatches, responses
+from gateway.served import Served
+from gateway.worker_streams import WorkerStreams
+from rpc import pdserve_pb2 as pb
 
 THRESHOLD = 64  # the threshold worker's --local-prefill-threshold
 
@@ -158,3 +164,40 @@ def test_a_remote_prefill_that_fails_is_prefilled_locally_and_says_why(system, s
         for stream in (False, True):
             headers, _ = _complete(url, _long_prompt(), stream)
             _local(headers, "prefill_failed", decode, cached=0)
+
+
+def test_how_a_stream_was_served_comes_on_its_first_message_when_steps_merge():
+    """Two steps a decode worker gathered before its call's sender took either (a slow
+    reader) go as one message: the first step's served entry and tokens, the second's tokens
+    and the stream's last event. Read by the gateway's Streams reader, and as a Generate
+    call's messages, the first message carries how it was served and the tokens keep their
+    order (an event for the first step would have come after the second step's column)."""
+    expected = {"decode_worker": "d", "prefill": "remote", "prefill_worker": "127.0.0.1:1", "kv_blocks": 3,
+                "cached_tokens": 16}
+
+    def two_steps(stream: int) -> pb.StreamsDown:
+        batches = StepBatches()
+        out = batches.outlet(stream)
+        out.served(pb.Served(prefill_worker="127.0.0.1:1", kv_blocks=3, cached_prompt_tokens=16))
+        out.tokens([11])
+        batches.flush()
+        out.tokens([12, 13])
+        out.put(pb.GenerateResponse(token_ids=[14], finish_reason=pb.LENGTH))
+        batches.flush()
+        return pb.StreamsDown.FromString(batches.take(0).SerializeToString())  # as it crosses the wire
+
+    async def read_on_the_gateway() -> list:
+        channel = aio.insecure_channel("127.0.0.1:1")  # never called: the message is handed to the reader
+        try:
+            streams = WorkerStreams(channel, "d")
+            streams._call = object()  # the call counts as open, so open() starts none
+            call = streams.open(pb.GenerateRequest(), None)
+            streams._deliver(two_steps(call.stream))
+            return [await call.read() for _ in range(3)]
+        finally:
+            await channel.close()
+
+    for msgs in (asyncio.run(read_on_the_gateway()), list(responses(two_steps(0)))):
+        assert [list(m.token_ids) for m in msgs] == [[11], [12, 13], [14]]
+        assert [m.HasField("served") for m in msgs] == [True, False, False]
+        assert Served.of("d", msgs[0]).fields() == expected
