@@ -9,9 +9,8 @@ the request's stream at once: the step's tokens for every stream of one call (a 
 Streams) leave as one message (decode/step_batches.py). A request's first message says how
 it was served (pb.Served: the prefill worker whose KV it decodes from and how many blocks
 came over, or why it was prefilled here), which the gateway's answer headers repeat before
-its first byte. The remote prefills themselves
-(attempts, aborts, the KV notifications) are decode/remote_prefill.py's; this worker
-applies their events.
+its first byte. The remote prefills themselves (attempts, aborts, the KV notifications) are
+decode/remote_prefill.py's; this worker applies their events.
 
 A drain that hands off ends every request with HANDED_OFF; those between two decode steps
 keep their KV here for the decode worker that takes them over, which asks for it as it
