@@ -62,7 +62,7 @@ class Tokens:
     def __init__(self, token_ids: list[int], served: pb.Served = _NOT_SERVED):
         self.token_ids, self.served = token_ids, served
 
-    def HasField(self, name: str) -> bool:  # the protobuf message's name and answer
+    def HasField(self, name: str) -> bool:  # as GenerateResponse.HasField answers it
         return name == "served" and self.served is not _NOT_SERVED
 
 
