@@ -181,6 +181,28 @@ def fault_step_floor_s() -> float:
     return _number(FAULT_STEP_FLOOR_S, 0.0, 0.0, "a number of seconds >= 0")
 
 
+FAULT_SLOW_RANK = "PDSERVE_FAULT_SLOW_RANK"
+
+
+def fault_slow_rank() -> tuple[int, float] | None:
+    """PDSERVE_FAULT_SLOW_RANK: fault injection for tests and chaos runs, `RANK:FACTOR`
+    (`1:3`). Tensor-parallel rank RANK of every group stretches the compute of each of its
+    forward passes (its time outside collectives) to FACTOR times what it measured, by
+    sleeping the difference after it: one slow device or core in a group, a straggler the
+    others wait for, the same ratio on any host. Unset in production."""
+    value = os.environ.get(FAULT_SLOW_RANK, "").strip()
+    if not value:
+        return None
+    rank, _, factor = value.partition(":")
+    try:
+        parsed = int(rank), float(factor)
+    except ValueError:
+        parsed = (-1, 0.0)
+    if parsed[0] < 0 or not 1 <= parsed[1] < float("inf"):
+        raise ValueError(f"{FAULT_SLOW_RANK}={value!r}: expected RANK:FACTOR, a rank >= 0 and a factor >= 1")
+    return parsed
+
+
 def _number(name: str, default: float, low: float, what: str) -> float:
     """A finite float >= `low` from the variable `name`, `default` when unset or blank."""
     value = os.environ.get(name, "").strip()

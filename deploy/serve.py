@@ -264,5 +264,7 @@ def _print_status(status: dict) -> None:
         for s in slots:
             print(f"  {s['worker_id']:>3}  {s['state']:10} {s['address']:22} incarnation {s['incarnation']}  "
                   f"restarts {s['restarts']}  node {s['node_id'][:12]}")
+            if s.get("straggler"):
+                print(f"       slow tensor-parallel rank: {s['straggler']}")
     for s in status.get("starting", []):  # placed by a scale in progress, not ready yet
         print(f"starting {s['role']} worker {s['worker_id']} (loading)")

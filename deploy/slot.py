@@ -49,10 +49,12 @@ class Slot:
     failures: int = 0  # deep-health failures in a row
     restarts: int = 0
     stall_bound_s: float = 0.0  # its liveness bound, as its last Health or Drain answer said
+    straggler: str = ""  # a tensor-parallel worker's rank holding its group back, as its last Health said
     report: HostReport | None = field(default=None, repr=False)
 
     def public(self) -> dict:
         r = self.report
         return {"role": self.role, "worker_id": self.worker_id, "state": self.state.value, "address": self.address,
                 "incarnation": self.incarnation, "node_id": self.node_id, "restarts": self.restarts,
-                "pid": r.pid if r else None, "host_pid": r.host_pid if r else None, "log": r.log if r else None}
+                "pid": r.pid if r else None, "host_pid": r.host_pid if r else None, "log": r.log if r else None,
+                "straggler": self.straggler}

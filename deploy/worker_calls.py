@@ -58,6 +58,10 @@ class WorkerCalls:
                        f"({e.code().name}, {self.health_timeout_s:g}s deadline)")
             return False
         slot.stall_bound_s = h.stall_bound_s
+        if h.straggler != slot.straggler:  # named once as it appears, once as it clears
+            self.event(f"{slot.role} worker {slot.worker_id}: " + (f"a slow tensor-parallel rank: {h.straggler}"
+                       if h.straggler else "no tensor-parallel rank holds the group back any more"))
+            slot.straggler = h.straggler
         if not h.ok:
             self.event(f"{slot.role} worker {slot.worker_id}: deep health: {h.detail} "
                        f"[last step {h.last_step_age_s:.1f}s ago, queued {h.queued}, "

@@ -78,7 +78,8 @@ def logprobs_from_pb(msg: pb.TokenLogprobs) -> TokenLogprobs:
 def health_to_pb(worker: str, v) -> pb.HealthResponse:
     """A deep-health verdict (worker.liveness.Verdict) as the Worker service answers it."""
     return pb.HealthResponse(ok=v.ok, detail=v.detail, worker=worker, busy=v.busy, last_step_age_s=v.last_step_age_s,
-                             stall_bound_s=v.stall_bound_s, longest_step_s=v.longest_step_s, queued=v.queued)
+                             stall_bound_s=v.stall_bound_s, longest_step_s=v.longest_step_s, queued=v.queued,
+                             straggler=v.straggler)
 
 
 def stats_to_pb(worker: str, e: EngineStats, step_seconds: float, kv_blocks_transferred: int,

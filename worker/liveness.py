@@ -36,6 +36,7 @@ class Verdict:
     longest_step_s: float
     queued: int  # requests the engine has not finished
     detail: str = ""
+    straggler: str = ""  # a tensor-parallel worker's rank holding its group back (engine/parallel/rank_clock.py)
 
 
 class Liveness:

@@ -24,6 +24,7 @@ from typing import Any
 
 from common import envs, trace
 from engine.llm_engine import LLMEngine, StepResult, StepStats
+from engine.parallel.rank_clock import StragglerWatch
 from engine.scheduler import SchedulerOutput
 from worker import metrics, step_log
 from worker.holdings import Holdings, loop_wait_s
@@ -85,6 +86,8 @@ class EngineLoop:
         self.num_probes = 0  # probes the loop ran (a flood of deep checks runs few)
         self.last_step_seconds = 0.0  # the engine's own time for the last step that ran
         self.calls = OpenCalls()  # the role's request calls (Generate, Prefill) not ended yet
+        # a tensor-parallel worker's slow rank, judged at each deep health check (a window each)
+        self.stragglers = StragglerWatch(engine.ranks.clocks) if engine.ranks is not None else None
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -182,6 +185,8 @@ class EngineLoop:
                 verdict = self.liveness.judge_idle(False, 0.0, error=f"{type(exc).__name__}: {exc}")
         if not verdict.ok:
             log.warning("%s: deep health: %s", self.name, verdict.detail)
+        if self.stragglers is not None:  # a slow rank is slow, not wedged: named, not failed
+            verdict = dataclasses.replace(verdict, straggler=self.stragglers.look())
         return verdict
 
     def _shared_probe(self) -> Future:

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.parallel.layout import TensorParallelLayout
-from engine.parallel.rank_clock import RankClocks
+from engine.parallel.rank_clock import RankClocks, injected_stretch
 from engine.parallel.sharded_weights import load_sharded_model
 from engine.parallel.step_plan import StepPlan
 from engine.step_buffers import StepLimits
@@ -48,6 +48,7 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
         model = load_sharded_model(config.model_path, config.model, layout, config.dtype, config.device)
         kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, config.device)
         runner = ModelRunner(model, kv, config.device, limits)
+        stretch = injected_stretch(rank)
         plans.send("ready")
         while True:
             try:
@@ -56,14 +57,14 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
                 return
             if plan is None:
                 return
-            run_plan(runner, plan, clocks, rank)
+            run_plan(runner, plan, clocks, rank, stretch)
     finally:
         dist.destroy_process_group()
 
 
 @torch.inference_mode()
-def run_plan(runner: ModelRunner, plan: StepPlan, clocks: RankClocks, rank: int) -> None:
+def run_plan(runner: ModelRunner, plan: StepPlan, clocks: RankClocks, rank: int, stretch: float = 1.0) -> None:
     """One step's collectives on this rank: the forward pass, and the LM head when a row is
     sampled (its logits dropped), timed into this rank's row of `clocks`."""
     step = runner.prepare(plan)
-    clocks.timed(rank, runner.model.collectives, lambda: runner.forward(step))
+    clocks.timed(rank, runner.model.collectives, lambda: runner.forward(step), stretch)

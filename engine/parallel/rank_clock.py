@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import multiprocessing
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import TypeVar
+
+from common import envs
 
 T = TypeVar("T")
 
@@ -27,6 +30,7 @@ _FIELDS = 3  # steps, step seconds, collective seconds
 STRAGGLER_RATIO = 1.25  # compute per step this many times the others' median is slower
 STRAGGLER_MIN_STEPS = 20  # fewer steps in a window judge nothing
 STRAGGLER_MIN_GAP_S = 0.0005  # nor does a gap below this per step (timer noise at small steps)
+STRAGGLER_WINDOWS = 3  # windows in a row naming the same rank before it is called consistently slower
 
 
 class CollectiveTimer:
@@ -56,6 +60,12 @@ class RankTime:
                         self.collective_s - earlier.collective_s)
 
 
+def injected_stretch(rank: int) -> float:
+    """The factor envs.fault_slow_rank sets for `rank` (1: none)."""
+    slow = envs.fault_slow_rank()
+    return slow[1] if slow is not None and slow[0] == rank else 1.0
+
+
 class RankClocks:
     """The table, one row per rank. Made by rank 0 and handed to each follower at its
     start (a shared-memory array pickles into a spawned process's arguments)."""
@@ -71,10 +81,14 @@ class RankClocks:
         self._table[row + 1] += step_s
         self._table[row + 2] += collective_s
 
-    def timed(self, rank: int, timer: CollectiveTimer, forward: Callable[[], T]) -> T:
-        """forward(), its time and its time in collectives (per `timer`) added to `rank`'s row."""
+    def timed(self, rank: int, timer: CollectiveTimer, forward: Callable[[], T], stretch: float = 1.0) -> T:
+        """forward(), its time and its time in collectives (per `timer`) added to `rank`'s
+        row; `stretch` > 1 (injected: envs.fault_slow_rank) sleeps its compute to that many
+        times what it took, as a slower device would."""
         collective0, t0 = timer.seconds, perf_counter()
         out = forward()
+        if stretch > 1:
+            time.sleep((stretch - 1) * max(0.0, perf_counter() - t0 - (timer.seconds - collective0)))
         self.record(rank, perf_counter() - t0, timer.seconds - collective0)
         return out
 
@@ -99,3 +113,32 @@ def straggler(window: list[RankTime]) -> str:
             f"{others * 1e3:.1f} ms ({per_step[slowest] / others:.1f}x), waiting {waits[slowest] * 1e3:.1f} ms in "
             f"collectives while they wait {statistics.median(w for r, w in waits.items() if r != slowest) * 1e3:.1f} "
             f"ms, over {min(t.steps for t in window)} steps")
+
+
+class StragglerWatch:
+    """Looks at a group's clocks now and then (each deep health check: a window per look)
+    and names a rank only once it was the straggler in STRAGGLER_WINDOWS windows in a row,
+    so one slow step (a page fault, a neighbour's burst) names nobody. A window with too few
+    steps (an idle worker) neither extends nor breaks a run; a window with no straggler
+    breaks it."""
+
+    def __init__(self, clocks: RankClocks, windows: int = STRAGGLER_WINDOWS):
+        self.clocks = clocks
+        self.windows = windows
+        self._last = clocks.read()
+        self._rank: int | None = None
+        self._run = 0
+        self.verdict = ""  # the last named straggler's sentence, "" when none
+
+    def look(self) -> str:
+        now = self.clocks.read()
+        window = [t.since(before) for t, before in zip(now, self._last)]
+        self._last = now
+        if min(t.steps for t in window) < STRAGGLER_MIN_STEPS:
+            return self.verdict
+        said = straggler(window)
+        rank = int(said.split()[1]) if said else None
+        self._run = self._run + 1 if rank is not None and rank == self._rank else int(rank is not None)
+        self._rank = rank
+        self.verdict = f"{said}, in {self._run} windows in a row" if self._run >= self.windows else ""
+        return self.verdict

@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner, PreparedStep, RunnerOutput
 from engine.parallel.follower import follower_main, join_group
-from engine.parallel.rank_clock import RankClocks
+from engine.parallel.rank_clock import RankClocks, injected_stretch
 from engine.parallel.step_plan import StepPlan
 from engine.scheduler import SchedulerOutput
 from engine.step_buffers import StepLimits
@@ -138,10 +138,12 @@ class LeaderRunner(ModelRunner):
     def __init__(self, model, kv_cache: KVCache, device: str, limits: StepLimits, ranks: RankGroup):
         super().__init__(model, kv_cache, device, limits)
         self.ranks = ranks
+        self._stretch = injected_stretch(0)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.ranks.send(StepPlan.of(out))
         return super().execute(out)
 
     def forward(self, step: PreparedStep) -> torch.Tensor | None:
-        return self.ranks.clocks.timed(0, self.model.collectives, partial(ModelRunner.forward, self, step))
+        return self.ranks.clocks.timed(0, self.model.collectives, partial(ModelRunner.forward, self, step),
+                                       self._stretch)

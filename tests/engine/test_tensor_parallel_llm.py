@@ -14,7 +14,7 @@ from common.sampling_params import SamplingParams
 from engine import LLM
 from engine.config import CacheConfig, SchedulerConfig, UnsupportedModelError
 from engine.llm_engine import LLMEngine
-from engine.parallel.rank_clock import RankTime, straggler
+from engine.parallel.rank_clock import RankClocks, RankTime, StragglerWatch, straggler
 
 
 def _prompts() -> list[list[int]]:
@@ -123,3 +123,22 @@ def test_a_straggler_is_the_rank_that_computes_longest_while_the_others_wait():
     assert straggler(slow).startswith("rank 1 computes 18.0 ms a step against the others' 10.0 ms (1.8x)")
     assert straggler([rank(0, 10, 8, steps=5), rank(1, 18, 0.2, steps=5)]) == ""  # too few steps to judge
     assert straggler([rank(0, 0.1, 0), rank(1, 0.3, 0)]) == ""  # a gap within timer noise
+
+
+def test_a_rank_is_named_only_once_it_was_the_straggler_in_three_windows_in_a_row():
+    clocks = RankClocks(2)
+    watch = StragglerWatch(clocks)
+
+    def window(slow_rank: int | None, steps: int = 30):
+        for _ in range(steps):
+            for r in (0, 1):
+                compute = 0.020 if r == slow_rank else 0.010
+                wait = 0.0001 if r == slow_rank else 0.010 if slow_rank is not None else 0.001
+                clocks.record(r, compute + wait, wait)
+        return watch.look()
+
+    assert [window(1), window(1)] == ["", ""]
+    assert window(1).startswith("rank 1 computes 20.0 ms a step") and watch.look().endswith("in 3 windows in a row")
+    assert window(1, steps=3).endswith("in 3 windows in a row")  # an idle window changes nothing
+    assert window(None) == ""  # an even window ends the run
+    assert [window(0), window(1), window(1)] == ["", "", ""]  # another rank starts a run of its own

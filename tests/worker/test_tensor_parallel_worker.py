@@ -118,3 +118,26 @@ def test_tensor_parallel_with_kv_transfer_is_refused_with_what_to_do(model):
     assert proc.returncode != 0
     assert "KV transfer between tensor-parallel workers is not written yet" in proc.stderr
     assert "--no-transfer" in proc.stderr
+
+
+def test_a_rank_slower_than_its_group_is_named_by_deep_health(model, tmp_path):
+    """Rank 1 stretched to 4x its compute (envs.fault_slow_rank): a few deep checks into a
+    long generation, each a window of 25 or more steps, name it; none names rank 0."""
+    (d,) = start_workers([("decode", ARGS, {"PDSERVE_FAULT_SLOW_RANK": "1:4"})], model, tmp_path, timeout_s=180)
+    try:
+        stream = d.stub.Generate(generate_request(random_prompt(random.Random(5), 8), 400, ignore_eos=True),
+                                 timeout=RPC_TIMEOUT_S * 4)
+        verdicts, seen = [], 0
+        for msg in stream:
+            seen += len(msg.token_ids)
+            if seen >= 25 * (len(verdicts) + 1):
+                verdicts.append(d.stub.Health(pb.HealthRequest(deep=True), timeout=10))
+                if verdicts[-1].straggler:
+                    break
+        stream.cancel()
+        assert all(v.ok for v in verdicts)  # slow is not wedged
+        named = [v.straggler for v in verdicts if v.straggler]
+        assert named and named[0].startswith("rank 1 computes"), [v.straggler for v in verdicts]
+        assert named[0].endswith("in 3 windows in a row")
+    finally:
+        d.stop()
