@@ -28,26 +28,42 @@ from engine.step_buffers import StepLimits
 GROUP_TIMEOUT_S = 600
 
 
-def join_group(rendezvous: str, size: int, rank: int) -> None:
-    """This process's place in the default process group: gloo over loopback (CPU only so
-    far: NCCL and a device per rank are not written yet)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one engine share a host
+def rank_device(device: str, rank: int) -> str:
+    """The device a rank computes on: CPU ranks share the host; CUDA ranks take one device
+    each, rank r the r-th (`cuda` -> `cuda:r`)."""
+    kind = torch.device(device).type
+    return f"cuda:{rank}" if kind == "cuda" else device
+
+
+def join_group(rendezvous: str, size: int, rank: int, device: str = "cpu") -> None:
+    """This process's place in the default process group: NCCL between CUDA ranks (one
+    device each, this rank's made current first), gloo over loopback between CPU ranks.
+    The NCCL path is written beside the gloo one and checked only where a GPU machine is
+    at hand (docs/engine.md)."""
+    if torch.device(device).type == "cuda":
+        ours = torch.device(rank_device(device, rank))
+        torch.cuda.set_device(ours)
+        backend, options = "nccl", {"device_id": ours}
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one engine share a host
+        backend, options = "gloo", {}
     # Bounds the group's forming and any one collective: a rank gone mid-step fails the
     # others' step within it instead of hanging them (gloo's own default is 30 minutes).
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S), **options)
 
 
 def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,
                   num_threads: int, plans: Connection, clocks: RankClocks) -> None:
     torch.set_num_threads(num_threads)
     size = config.tensor_parallel_size
-    join_group(rendezvous, size, rank)
+    device = rank_device(config.device, rank)
+    join_group(rendezvous, size, rank, config.device)
     try:
         layout = TensorParallelLayout.of(config.model, size, rank)
-        model = load_sharded_model(config.model_path, config.model, layout, config.dtype, config.device)
-        kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, config.device)
-        runner = ModelRunner(model, kv, config.device, limits)
+        model = load_sharded_model(config.model_path, config.model, layout, config.dtype, device)
+        kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, device)
+        runner = ModelRunner(model, kv, device, limits)
         stretch = injected_stretch(rank)
         plans.send("ready")
         while True:

@@ -8,7 +8,9 @@ collective the ranks that arrive first wait for the last, so a straggler shows a
 that waits least and computes longest: `compute = step - collective`, per step.
 
 On CPU (gloo) a collective returns when it is done, so its wall time is its wait and its
-transfer; an asynchronous backend (NCCL) would need device events to say the same.
+transfer. On CUDA (NCCL) a collective returns once queued: the host times then say how
+long each rank took to queue its step, not the device's wait, which would need CUDA
+events around each collective (not written: no GPU run has measured them).
 """
 
 from __future__ import annotations

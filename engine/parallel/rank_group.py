@@ -51,6 +51,9 @@ class RankGroup:
             raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine "
                                "per process")
         size = config.tensor_parallel_size
+        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
+            raise RuntimeError(f"tensor_parallel_size={size} on CUDA needs a device per rank; "
+                               f"{torch.cuda.device_count()} visible")
         self.clocks = RankClocks(size)  # every rank's step and collective times (engine/parallel/rank_clock.py)
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         rendezvous = str(Path(self._dir) / "rendezvous")
@@ -71,7 +74,7 @@ class RankGroup:
         self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir, self._closing)
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
         try:
-            join_group(rendezvous, size, 0)
+            join_group(rendezvous, size, 0, config.device)
             for rank, pipe in enumerate(self._pipes, start=1):
                 if not pipe.poll(READY_S) or pipe.recv() != "ready":
                     raise RuntimeError(f"tensor-parallel rank {rank} did not start within {READY_S} s")

@@ -12,9 +12,12 @@ import torch
 from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
 from common.sampling_params import SamplingParams
 from engine import LLM
-from engine.config import CacheConfig, SchedulerConfig, UnsupportedModelError
+from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, UnsupportedModelError
 from engine.llm_engine import LLMEngine
+from engine.parallel.follower import rank_device
+from engine.parallel.rank_group import RankGroup
 from engine.parallel.rank_clock import RankClocks, RankTime, StragglerWatch, straggler
+from engine.step_buffers import StepLimits
 
 
 def _prompts() -> list[list[int]]:
@@ -142,3 +145,13 @@ def test_a_rank_is_named_only_once_it_was_the_straggler_in_three_windows_in_a_ro
     assert window(1, steps=3).endswith("in 3 windows in a row")  # an idle window changes nothing
     assert window(None) == ""  # an even window ends the run
     assert [window(0), window(1), window(1)] == ["", "", ""]  # another rank starts a run of its own
+
+
+def test_cuda_ranks_take_a_device_each_and_too_few_devices_are_refused(tmp_path, monkeypatch):
+    assert (rank_device("cuda", 0), rank_device("cuda", 3), rank_device("cpu", 2)) == ("cuda:0", "cuda:3", "cpu")
+    folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
+    config = EngineConfig(ModelConfig.from_pretrained(folder), folder, torch.float32, CacheConfig(num_blocks=8),
+                          SchedulerConfig(max_model_len=256), device="cuda", tensor_parallel_size=2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the same answer on any machine
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 on CUDA needs a device per rank; 1 visible"):
+        RankGroup(config, 8, StepLimits(16, 4, 16))
