@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.chat_chunks import chat_chunks
 from gateway.errors import APIError
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -86,7 +87,7 @@ async def message_events(chunks: AsyncIterator[bytes], prompt_tokens: int) -> As
     Closing this closes the chat answer's stream."""
     blocks = _Blocks()
     stop = usage = None
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_chat_chunks(chunks)) as parsed:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(chat_chunks(chunks)) as parsed:
         async for chunk in parsed:
             if chunk is None:  # [DONE]
                 break
@@ -162,17 +163,6 @@ class _Blocks:
 
     def _stop(self) -> bytes:
         return _event("content_block_stop", {"type": "content_block_stop", "index": self._count - 1})
-
-
-async def _chat_chunks(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict | None]:
-    """The chat stream's events as objects (None for `[DONE]`), however its bytes are cut."""
-    buffer = b""
-    async for piece in chunks:
-        buffer += piece
-        *events, buffer = buffer.split(b"\n\n")
-        for event in events:
-            data = event.removeprefix(b"data: ")
-            yield None if data == b"[DONE]" else json.loads(data)
 
 
 def _error(message: str) -> bytes:

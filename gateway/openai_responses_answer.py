@@ -36,8 +36,8 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.chat_chunks import chat_chunks
 from gateway.errors import APIError
-from gateway.messages_answer import _chat_chunks
 from gateway.openai_responses_protocol import NamedFunction, ResponsesRequest
 from gateway.served import HEADER_PREFIX
 
@@ -129,7 +129,7 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
     events = _Events()
     base = None
     text, calls, finish, usage = None, [], None, None  # text: None until the message item opens
-    async with contextlib.aclosing(chunks), contextlib.aclosing(_chat_chunks(chunks)) as parsed:
+    async with contextlib.aclosing(chunks), contextlib.aclosing(chat_chunks(chunks)) as parsed:
         async for chunk in parsed:
             if chunk is None:  # [DONE]
                 break
