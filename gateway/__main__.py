@@ -77,8 +77,9 @@ def main() -> None:
                     help="seconds a connection has to deliver a whole request head (from opening, or from the "
                          "end of its last response) before a 408 and close")
     ap.add_argument("--response-store-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                    help="bytes of stored responses kept for previous_response_id, per process, oldest dropped "
-                         "first (default 64 MiB; 0: none stored)")
+                    help="bytes of stored responses kept for previous_response_id, oldest dropped first; one "
+                         "bound for all the --processes, which may pass it by an eighth (default 64 MiB; 0: none "
+                         "stored)")
     ap.add_argument("--response-store-ttl", type=float, default=DEFAULT_MAX_AGE_S,
                     help="seconds a stored response is kept (default one hour)")
     ap.add_argument("--admin-port", type=int, default=0,
@@ -141,7 +142,9 @@ def main() -> None:
                            max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes,
                            body_timeout_s=args.body_timeout, request_timeout_s=args.request_timeout,
                            decode_streams=args.decode_streams, response_store_bytes=args.response_store_bytes,
-                           response_store_ttl_s=args.response_store_ttl)
+                           response_store_ttl_s=args.response_store_ttl,
+                           response_store_folder=shared.responses if shared is not None else None,
+                           processes=args.processes)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip

@@ -43,11 +43,7 @@ from gateway.openai_responses_answer import responses_answer
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.openai_responses_request import chat_request as responses_chat_request
 from gateway.openai_responses_request import responses_error
-from gateway.openai_responses_store import (
-    DEFAULT_MAX_AGE_S,
-    DEFAULT_MAX_BYTES,
-    ResponseStore,
-)
+from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, open_store
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
@@ -83,9 +79,12 @@ class GatewayConfig:
     # path before Streams, kept to measure against: bench/stream_path.py).
     decode_streams: str = "worker"
     # Stored responses for previous_response_id (gateway/openai_responses_store.py): bytes
-    # kept at most (0: none stored) and for how long.
+    # kept at most (0: none stored) and for how long; with `processes` gateway processes on
+    # the port, the folder they share them in (None: this process's memory).
     response_store_bytes: int = DEFAULT_MAX_BYTES
     response_store_ttl_s: float = DEFAULT_MAX_AGE_S
+    response_store_folder: Path | None = None
+    processes: int = 1
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -96,7 +95,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
     path = RequestPath(config, router, backend, admission, tokenizer)
-    response_store = ResponseStore(config.response_store_bytes, config.response_store_ttl_s)
+    response_store = open_store(config.response_store_bytes, config.response_store_ttl_s,
+                                config.response_store_folder, config.processes)
     controller_metrics: list[tuple[str, str]] = []  # the deploy controller's (incarnation, exposition), as of its last push
 
     @asynccontextmanager

@@ -18,6 +18,9 @@ What the children share, in the folder (0700, removed when the front process end
   child counts what every child served.
 - `membership.json`: the deploy controller's last push, which one child took and every child
   replays (gateway/shared_membership.py): they route to the same workers.
+- `responses/`: the Responses API's stored answers, a file each
+  (gateway/openai_responses_store.py): a `previous_response_id` any child stored is found
+  by every child, within one byte bound and age for them all.
 
 Each child keeps its own load shedding and KV accounting, a partition with an error bound:
 
@@ -93,6 +96,10 @@ class SharedFolder:
     @property
     def membership(self) -> Path:
         return self.path / "membership.json"
+
+    @property
+    def responses(self) -> Path:
+        return self.path / "responses"
 
 
 @dataclass
@@ -182,10 +189,11 @@ def _exit_code(code: int) -> int:
 
 def make_folder(tenants_file: str | None, processes: int) -> tuple[SharedFolder, TenantTable]:
     """The private shared folder: the tenants file's copy, a zeroed counts table (a row per
-    tenant, the anonymous one included), an empty metrics folder."""
+    tenant, the anonymous one included), empty metrics and responses folders."""
     folder = SharedFolder(Path(tempfile.mkdtemp(prefix="pdserve-gateway-")))  # 0700
     try:
         folder.metrics.mkdir()
+        folder.responses.mkdir(mode=0o700)
         if tenants_file:
             shutil.copyfile(tenants_file, folder.tenants)
             folder.tenants.chmod(0o600)

@@ -3,25 +3,35 @@
 the chat API's for the same conversation, the typed event sequence numbered from 0,
 structured output parsed into a pydantic model, a function tool round trip (through
 `previous_response_id` and with the items sent back, alike), `max_output_tokens` making an
-answer incomplete, refusals naming their field, stored responses kept apart per tenant, and
-a client leaving mid-stream giving its slot and KV back as on the chat path."""
+answer incomplete, refusals naming their field, stored responses kept apart per tenant and
+found by every process of a gateway that runs two, and a client leaving mid-stream giving
+its slot and KV back as on the chat path."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
+import re
+import socket
+import subprocess
+import time
+from typing import NamedTuple
 
 import httpx
 import jsonschema
 import openai
+import psutil
 import pytest
 from pydantic import BaseModel, Field
 
-from bench.harness.gateway_procs import data_lines, gateway
+from bench.harness.gateway_procs import data_lines, gateway, serving_process
 from bench.harness.worker_procs import wait_idle, wait_until
 from gateway.errors import APIError
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.openai_responses_request import chat_request
-from gateway.openai_responses_store import ResponseStore
+from gateway.openai_responses_store import FolderStore, MemoryStore, open_store
 from gateway.protocol import ChatMessage
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -70,9 +80,14 @@ def test_input_items_become_chat_messages_in_order():
     assert chat.response_format.json_schema.schema_ == WEATHER and chat.response_format.json_schema.strict
 
 
-def test_the_store_keeps_tenants_apart_and_bounds_age_and_size():
+BACKINGS = {"memory": lambda folder, clock: MemoryStore(2000, 60, clock),
+            "folder": lambda folder, clock: FolderStore(folder, 2000, 60, clock=clock)}
+
+
+@pytest.mark.parametrize("backing", BACKINGS)
+def test_the_store_keeps_tenants_apart_and_bounds_age_and_size(backing, tmp_path):
     now = [0.0]
-    store = ResponseStore(max_bytes=2000, max_age_s=60, clock=lambda: now[0])
+    store = BACKINGS[backing](tmp_path, lambda: now[0])
     said = [ChatMessage(role="user", content="x" * 400)]
     for i in range(3):
         assert store.put("a", {"id": f"r{i}", "output": []}, said)
@@ -86,11 +101,45 @@ def test_the_store_keeps_tenants_apart_and_bounds_age_and_size():
     assert not store.put("a", {"id": "big", "output": []}, said * 6)  # alone over the bound: not kept
     now[0] += 45  # r1 (stored at 10) is past 60 s old, r2 (at 20) is not
     assert store.get("a", "r1") is None and store.get("a", "r2") is not None
-    off = ResponseStore(max_bytes=0)
+    off = open_store(max_bytes=0)
     assert off.keeper("a", said) is None and off.history("a", None) == ()
     with pytest.raises(APIError) as e:
         off.history("a", "r2")
     assert e.value.status == 400 and e.value.param == "previous_response_id"
+
+
+def test_a_folder_store_is_shared_by_processes_within_one_bound(tmp_path):
+    """Two processes' stores over one folder (as two gateway processes have): each finds
+    what the other stored, for its tenant only, in files of this user alone; an id is no
+    path out of the folder; and however the writes alternate, the folder stays within the
+    bound plus an eighth (each process looking over it on a thread), the oldest gone first."""
+    folder = tmp_path / "responses"
+    folder.mkdir()
+    first, second = (open_store(20_000, 60, folder, processes=2) for _ in range(2))
+    said = [ChatMessage(role="user", content="y" * 300)]
+    assert first.put("a", {"id": "r0", "output": []}, said)
+    assert second.get("a", "r0").messages == tuple(said) and second.history("a", "r0") == tuple(said)
+    assert second.get("b", "r0") is None and first.get("b", "r0") is None
+    (name,) = os.listdir(folder)
+    assert (folder / name).stat().st_mode & 0o777 == 0o600 and "r0" not in name
+    for escape in ("../r0", "/etc/passwd", "..", "r0/../r0"):
+        assert first.put("a", {"id": escape, "output": []}, said) and first.get("a", escape) is not None
+    assert sorted(p.parent for p in tmp_path.rglob("*") if p.is_file()) == [folder] * 5
+    sizes = []
+
+    async def serving():  # as in a gateway process: each look over the folder on a thread of the loop's
+        for i in range(200):
+            store = (first, second)[i % 2]
+            assert store.put("a", {"id": f"n{i}", "output": []}, said)
+            while store._looking:
+                await asyncio.sleep(0.001)
+            sizes.append(first.size)
+
+    asyncio.run(serving())
+    entry = first.get("a", "n199").size
+    assert max(sizes) <= 20_000 * 9 / 8 + entry and sizes[-1] <= 20_000 * 9 / 8, max(sizes)
+    assert first.get("a", "n199") and second.get("a", "n198") and first.get("a", "n100") is None
+    assert second.get("a", "r0") is None  # the oldest went first
 
 
 def test_create_and_stream_agree(client):
@@ -251,23 +300,35 @@ def test_what_cannot_be_served_is_refused_naming_the_field(client, system):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
 
 
+class Keyed(NamedTuple):
+    url: str
+    front: subprocess.Popen  # the front process of its two gateway processes
+
+
 @pytest.fixture(scope="module")
 def keyed(system, smollm2_dir, tmp_path_factory):
-    """A second gateway over the same workers with API keys: tenant a runs 1 request at a
-    time; tenant b is another."""
+    """A second gateway over the same workers, as two gateway processes, with API keys:
+    tenant a runs 1 request at a time (across both); tenant b is another."""
     folder = tmp_path_factory.mktemp("responses-tenants")
     (folder / "tenants.json").write_text(json.dumps({"tenants": [
         {"name": "a", "api_keys": ["key-a"], "max_concurrent": 1}, {"name": "b", "api_keys": ["key-b"]}]}))
+    started: list[subprocess.Popen] = []
     with gateway(smollm2_dir, [system[2].address], [system[1].address], folder / "gateway.log",
-                 "--tenants", str(folder / "tenants.json")) as url:
-        yield url
+                 "--tenants", str(folder / "tenants.json"), processes=2, started=started) as url:
+        keyed = Keyed(url, started[0])
+        wait_until(lambda: len(_processes(keyed)) == 2, 30, "two gateway processes")
+        yield keyed
+
+
+def _processes(keyed: Keyed) -> set[int]:
+    return {p.pid for p in psutil.Process(keyed.front.pid).children()}
 
 
 def test_a_stored_response_is_its_tenants_alone(keyed):
     """Another tenant's previous_response_id, or GET of its response, is not found, as an
     unknown id is; its own tenant chains to it and reads it back."""
-    a = openai.OpenAI(base_url=f"{keyed}/v1", api_key="key-a", max_retries=0)
-    b = openai.OpenAI(base_url=f"{keyed}/v1", api_key="key-b", max_retries=0)
+    a = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="key-a", max_retries=0)
+    b = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="key-b", max_retries=0)
     first = a.responses.create(model="smollm2", max_output_tokens=4, input=ASK, temperature=0)
     assert a.responses.retrieve(first.id).output_text == first.output_text
     with pytest.raises(openai.NotFoundError):
@@ -278,8 +339,73 @@ def test_a_stored_response_is_its_tenants_alone(keyed):
                               previous_response_id=first.id).output
 
 
+def test_every_gateway_process_finds_what_another_stored(keyed):
+    """Each request on a connection of its own, mapped to the gateway process that took it,
+    until each process has continued (previous_response_id) and read back (GET) a response
+    the other stored, and refused tenant b both, 404 as an unknown id. Each continuation
+    carries the whole conversation: its prompt grows turn by turn."""
+    stored_by: dict[str, int] = {}  # response id -> the process that stored it
+    continued, read, refused = set(), set(), set()
+    pid, first = _created(keyed, {"input": ASK})
+    stored_by[first["id"]] = pid
+    last = first
+    deadline = time.monotonic() + 120
+    while not continued == read == refused == _processes(keyed):
+        assert time.monotonic() < deadline, (continued, read, refused, _processes(keyed))
+        pid, reply = _created(keyed, {"input": "And then?", "previous_response_id": last["id"]})
+        assert reply["previous_response_id"] == last["id"]
+        assert reply["usage"]["input_tokens"] > last["usage"]["input_tokens"], (reply["usage"], last["usage"])
+        if stored_by[last["id"]] != pid:
+            continued.add(pid)
+        stored_by[reply["id"]] = pid
+        last = reply
+        for rid in (first["id"], last["id"]):
+            pid, status, got = _request(keyed, "GET", f"/v1/responses/{rid}", "key-a")
+            assert status == 200 and got == (first if rid == first["id"] else last), got
+            if stored_by[rid] != pid:
+                read.add(pid)
+        for method, path, body in (("GET", f"/v1/responses/{last['id']}", None),
+                                   ("POST", "/v1/responses", {"model": "smollm2", "input": "Hi",
+                                                              "previous_response_id": last["id"]})):
+            pid, status, got = _request(keyed, method, path, "key-b", body)
+            assert status == 404 and "not found" in got["error"]["message"], got
+            if stored_by[last["id"]] != pid:
+                refused.add(pid)
+
+
+def _created(keyed: Keyed, body: dict) -> tuple[int, dict]:
+    """Tenant a's response to `body` (two greedy tokens at most): (the process that took it, it)."""
+    pid, status, reply = _request(keyed, "POST", "/v1/responses", "key-a",
+                                  {"model": "smollm2", "max_output_tokens": 2, "temperature": 0, **body})
+    assert status == 200 and reply["status"] in ("completed", "incomplete"), reply
+    return pid, reply
+
+
+def _request(keyed: Keyed, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, int, dict]:
+    """One request on a connection of its own: (the process that took it, the status, the
+    JSON answer)."""
+    host, port = keyed.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode() if body is not None else b""
+    with contextlib.closing(socket.create_connection((host, int(port)), timeout=60)) as conn:
+        conn.sendall(f"{method} {path} HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key}\r\n"
+                     f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            chunk = conn.recv(65536)
+            assert chunk, f"connection closed mid-answer: {answer!r}"
+            answer += chunk
+        head, _, content = answer.partition(b"\r\n\r\n")
+        return serving_process(keyed.front, conn), int(head.split()[1]), json.loads(content)
+
+
+def _length(answer: bytes) -> int:
+    """The Content-Length of an answer whose head has come (0 until then)."""
+    m = re.search(rb"(?im)^content-length: *(\d+)", answer.partition(b"\r\n\r\n")[0])
+    return int(m.group(1)) if m else 0
+
+
 def test_a_client_leaving_mid_stream_gives_its_slot_and_kv_back(keyed, system):
-    a = openai.OpenAI(base_url=f"{keyed}/v1", api_key="key-a", max_retries=0)
+    a = openai.OpenAI(base_url=f"{keyed.url}/v1", api_key="key-a", max_retries=0)
     with a.responses.create(model="smollm2", max_output_tokens=400, input=ASK, temperature=0.8,
                             stream=True) as stream:
         for event in stream:
