@@ -121,6 +121,11 @@ class GatewaySettings:
     # worker carrying every request (one message per engine step); "request", the earlier
     # path, one Generate call per request (kept to compare the two: bench/stream_path.py).
     decode_streams: str = "worker"
+    # The Responses API's stored responses (previous_response_id; gateway/openai_responses_store.py):
+    # bytes kept at most, one bound for all the processes (0: none stored), and seconds each
+    # is kept; None: the gateway's defaults, 64 MiB and one hour.
+    response_store_bytes: int | None = None
+    response_store_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
@@ -131,8 +136,9 @@ class GatewaySettings:
                  "gateway.tenants (a JSON file of API keys), bind 127.0.0.1, or set "
                  "gateway.insecure_no_api_keys: true to accept the risk")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        _at_least(self, 0, "max_ttft_s", "request_timeout_s", strict=True)
+        _at_least(self, 0, "max_ttft_s", "request_timeout_s", "response_store_ttl_s", strict=True)
         _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes", "processes")
+        _at_least(self, 0, "response_store_bytes")
 
     def args(self) -> list[str]:
         """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
@@ -153,6 +159,10 @@ class GatewaySettings:
             args += ["--processes", str(self.processes)]
         if self.decode_streams != "worker":
             args += ["--decode-streams", self.decode_streams]
+        if self.response_store_bytes is not None:
+            args += ["--response-store-bytes", str(self.response_store_bytes)]
+        if self.response_store_ttl_s is not None:
+            args += ["--response-store-ttl", str(self.response_store_ttl_s)]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

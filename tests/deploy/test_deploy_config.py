@@ -201,10 +201,29 @@ def test_gateway_args_only_name_what_is_set():
                                         "--max-body-bytes", "1048576"]
     full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64,
                            max_prompt_tokens=4000, max_body_bytes=4096, request_timeout_s=900.0, processes=2,
-                           decode_streams="request")
+                           decode_streams="request", response_store_bytes=1 << 30, response_store_ttl_s=600.0)
     assert full.args() == ["--host", "0.0.0.0", "--port", "80", "--tenants", "t.json", "--max-ttft", "inf",
                            "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--request-timeout", "900.0",
-                           "--processes", "2", "--decode-streams", "request", "--max-body-bytes", "4096"]
+                           "--processes", "2", "--decode-streams", "request", "--response-store-bytes", "1073741824",
+                           "--response-store-ttl", "600.0", "--max-body-bytes", "4096"]
+    off = GatewaySettings(response_store_bytes=0).args()  # 0 is a setting (none stored), not "unset"
+    assert off[off.index("--response-store-bytes") + 1] == "0" and "--response-store-ttl" not in off
+
+
+def test_the_response_store_bounds_come_from_yaml_and_are_checked(tmp_path):
+    """`gateway:` in the YAML sets the stored responses' bounds, passed to the gateway as its
+    flags; a bound out of range is named."""
+    path = tmp_path / "deploy.yaml"
+    path.write_text("gateway: {processes: 2, response_store_bytes: 1048576, response_store_ttl_s: 90}\n")
+    gateway = DeployConfig.from_yaml(path).gateway
+    assert (gateway.response_store_bytes, gateway.response_store_ttl_s) == (1048576, 90)
+    args = gateway.args()
+    assert args[args.index("--response-store-bytes") + 1] == "1048576"
+    assert args[args.index("--response-store-ttl") + 1] == "90.0"
+    with pytest.raises(ConfigError, match=r"gateway\.response_store_bytes: must be at least 0, got -1"):
+        DeployConfig.from_dict({"gateway": {"response_store_bytes": -1}})
+    with pytest.raises(ConfigError, match=r"gateway\.response_store_ttl_s: must be more than 0, got 0"):
+        DeployConfig.from_dict({"gateway": {"response_store_ttl_s": 0}})
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gateway.internal"])
