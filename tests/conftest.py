@@ -25,7 +25,8 @@ LONGEST_FIRST = (
     "test_replay.py", "test_deploy_tensor_parallel.py", "test_tensor_parallel.py",  # 40-55 s
     "test_planner.py", "test_structured_output.py", "test_gateway_processes.py", "test_gateway_admin.py",
     "test_gguf_convert.py", "test_tensor_parallel_llm.py", "test_role_change.py", "test_parallel_choices.py",
-    "test_gateway_tenants.py", "test_transfer.py", "test_gateway_faults.py",  # 15-30 s
+    "test_responses_api.py", "test_messages_api.py", "test_gateway_tenants.py", "test_transfer.py",
+    "test_gateway_faults.py",  # 15-30 s
 )
 
 
