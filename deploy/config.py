@@ -78,8 +78,7 @@ class PoolConfig:
     def worker_args(self) -> list[str]:
         """Flags for `python -m prefill|decode` (the launcher adds --model, --dtype, --port...)."""
         kv = ("--kv-memory-gib", self.kv_memory_gib) if self.kv_blocks is None else ("--kv-blocks", self.kv_blocks)
-        # KV transfer between tensor-parallel workers is not written yet: such a worker serves aggregated
-        tp = ["--tensor-parallel-size", str(self.tp_size), "--no-transfer"] if self.tp_size > 1 else []
+        tp = ["--tensor-parallel-size", str(self.tp_size)] if self.tp_size > 1 else []
         return [kv[0], str(kv[1]), "--threads", str(self.threads), *tp,
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-num-seqs", str(self.max_num_seqs), "--max-waiting", str(self.max_waiting),
@@ -221,13 +220,6 @@ class DeployConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.decode.replicas >= 1, "decode.replicas",
                  f"must be at least 1 (decode workers serve every request), got {self.decode.replicas}")
-        _require(self.prefill.tp_size == 1, "prefill.tp_size",
-                 f"tensor-parallel prefill workers need KV transfer between tensor-parallel workers, which is "
-                 f"not written yet (got {self.prefill.tp_size}); use 1")
-        _require(self.decode.tp_size == 1 or (self.prefill.replicas == 0 and not self.planner.enabled),
-                 "decode.tp_size", f"a tensor-parallel decode worker ({self.decode.tp_size}) serves aggregated only "
-                 "so far (KV transfer between tensor-parallel workers is not written yet): set prefill.replicas "
-                 "to 0 and leave the planner off")
         _at_least(self, 0, "health_interval_s", "health_timeout_s", "ready_timeout_s", strict=True)
         _at_least(self, 0, "drain_timeout_s")
         _at_least(self, 1, "unhealthy_after")

@@ -43,9 +43,10 @@ class Moves:
 
 def in_place_moves(sizes: dict[str, int], targets: dict[str, int | None], config: DeployConfig) -> Moves | None:
     """The part of a scale that is a move (one pool grows, the other shrinks), done in place
-    when `move_in_place` is on and both pools reserve the same bundle (the worker's
-    placement group stays where it is); None when nothing moves in place."""
-    if not config.move_in_place or config.prefill.bundles() != config.decode.bundles():
+    when `move_in_place` is on and both pools reserve the same bundles, of one rank (the
+    worker's placement group stays where it is); None when nothing moves in place."""
+    if not config.move_in_place or config.prefill.bundles() != config.decode.bundles() \
+            or config.decode.tp_size > 1:  # a tensor-parallel worker's ranks keep their role: moves start cold
         return None
     grow = {role: (t or 0) - sizes[role] for role, t in targets.items() if t is not None}
     for source, target in (("prefill", "decode"), ("decode", "prefill")):

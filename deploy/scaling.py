@@ -54,10 +54,6 @@ class Scaling:
             raise ValueError("the decode pool needs at least one worker")
         if prefill is not None and prefill < 0:
             raise ValueError("the prefill pool cannot have fewer than 0 workers")
-        if prefill and self.placement.config.decode.tp_size > 1:
-            raise ValueError(f"the decode workers are tensor-parallel (tp_size {self.placement.config.decode.tp_size}) "
-                             "and serve aggregated only: KV transfer between tensor-parallel workers is not written "
-                             "yet, so the prefill pool stays at 0")
         targets = {"prefill": prefill, "decode": decode}
         for role, target in targets.items():
             if target is not None:

@@ -40,8 +40,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefill", type=int, help="prefill workers (default 1; 0 = aggregated)")
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
     serve.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (YAML prefill.tp_size)")
-    serve.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (YAML decode.tp_size; "
-                       "more than 1 serves aggregated only so far: --prefill 0)")
+    serve.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (YAML decode.tp_size)")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gateway port (default 8000)")
     serve.add_argument("--gateways", type=int, help="gateway processes on that port (default 1; "

@@ -18,15 +18,23 @@ import kernels.memory
 from engine.config import ModelConfig
 
 
+def pool_shape(cfg: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]"""
+    return num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: str = "cpu"):
+                 device: str = "cpu", pool: torch.Tensor | None = None):
+        """`pool`: memory of that shape made elsewhere (a tensor-parallel rank's, shared
+        with rank 0: kernels.memory.shared_zeros); default: a new pool."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]
+        shape = pool_shape(cfg, num_blocks, block_size)
+        if pool is not None and (tuple(pool.shape) != shape or pool.dtype != dtype):
+            raise ValueError(f"a KV pool of {tuple(pool.shape)} {pool.dtype} given for {shape} {dtype}")
         # on huge pages where the host allows: a step reads blocks from all over the pool
-        self.pool = kernels.memory.zeros((num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-                                         dtype, device)
+        self.pool = pool if pool is not None else kernels.memory.zeros(shape, dtype, device)
         # Per layer: (k_cache, v_cache), each [num_blocks, block_size, kv_heads, head_dim].
         self.layers = [(self.pool[:, i, 0], self.pool[:, i, 1]) for i in range(cfg.num_layers)]
 

@@ -262,8 +262,22 @@ class LLMEngine:
 
     @property
     def kv_pool(self) -> torch.Tensor:
-        """The one block-major KV tensor (what a transfer agent registers)."""
+        """The one block-major KV tensor (what a transfer agent registers); rank 0's with
+        tensor parallelism (`rank_pools` has every rank's)."""
         return self.kv_cache.pool
+
+    def rank_pools(self) -> list[tuple[torch.Tensor, range]]:
+        """Every rank's KV pool with the KV heads it holds, rank 0 first (one entry, every
+        head, without tensor parallelism): what a transfer agent registers. A follower's
+        pool is memory shared with this process; on CUDA they are not reachable from here
+        (RuntimeError)."""
+        if self.ranks is None:
+            return [(self.kv_cache.pool, range(self.config.model.num_kv_heads))]
+        if len(self.ranks.pools) != len(self.ranks.layouts) - 1:
+            raise RuntimeError("the other ranks' KV pools are not mapped in this process (CUDA ranks): KV "
+                               "transfer for a tensor-parallel group on CUDA needs an agent per rank, not written yet")
+        pools = [self.kv_cache.pool, *self.ranks.pools]
+        return [(pool, layout.kv_heads) for pool, layout in zip(pools, self.ranks.layouts)]
 
     def stats(self) -> EngineStats:
         sch, kv = self.scheduler, self.kv_manager

@@ -65,3 +65,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> to
     tensor = raw[start:start + nbytes].view(dtype).view(shape)
     tensor.zero_()  # the first touch, which maps the pages (huge where granted)
     return tensor
+
+
+def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor mapped from the file `path` (created; on tmpfs such as /dev/shm
+    it is memory, not disk): every process that maps the same path sees the same bytes.
+    A tensor-parallel group's ranks keep their KV pools this way, so rank 0 can hand all of
+    them to its transfer agent (engine/parallel/rank_group.py). Removing the file once
+    every process mapped it frees the memory with the last mapping."""
+    return torch.from_file(str(path), shared=True, size=int(torch.Size(shape).numel()), dtype=dtype).view(shape)

@@ -16,6 +16,7 @@ import torch
 from transfer.handshake import HandshakeError, TransferInfo, check_compatible, parse_agent_name
 from transfer.layout import KVLayout, region_table
 from transfer.messages import Notification, decode
+from transfer.ranks import RankPool, Side
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 1024  # distinct workers a pool talks to; a restarted one replaces its older incarnation
@@ -39,11 +40,17 @@ def _nixl():
 
 
 class TransferAgent:
-    def __init__(self, name: str, pool: torch.Tensor, layout: KVLayout, model: str):
-        if pool.numel() * pool.element_size() != layout.pool_bytes:
-            raise ValueError(f"pool holds {pool.numel() * pool.element_size()} bytes, layout says {layout.pool_bytes}")
-        if not pool.is_contiguous():
-            raise ValueError("the KV pool must be one contiguous tensor")
+    def __init__(self, name: str, pool: torch.Tensor, layout: KVLayout, model: str,
+                 ranks: list[tuple[torch.Tensor, range]] | None = None):
+        """`pool` with `layout`; `ranks`: a tensor-parallel worker's pools with the KV heads
+        each holds, rank 0's (`pool`) first, all of `layout`'s shape (transfer/ranks.py)."""
+        for p in [pool, *(t for t, _ in ranks or ())]:
+            if p.numel() * p.element_size() != layout.pool_bytes:
+                raise ValueError(f"pool holds {p.numel() * p.element_size()} bytes, layout says {layout.pool_bytes}")
+            if not p.is_contiguous():
+                raise ValueError("a KV pool must be one contiguous tensor")
+        if ranks and ranks[0][0].data_ptr() != pool.data_ptr():
+            raise ValueError("the first rank's pool must be `pool` (rank 0's)")
         nixl_agent, nixl_agent_config, sync = _nixl()
         config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"],
                                    sync_mode=sync.NIXL_THREAD_SYNC_STRICT)
@@ -55,6 +62,9 @@ class TransferAgent:
         self.device_id = 0 if pool.device.type == "cpu" else pool.device.index or 0
         self.nixl = nixl_agent(name, config)
         self._registration = self.nixl.register_memory(pool)
+        self.ranks = tuple(RankPool(t.data_ptr(), heads.start, len(heads)) for t, heads in ranks) \
+            if ranks and len(ranks) > 1 else ()
+        self._rank_registrations = [self.nixl.register_memory(t) for t, _ in (ranks or ())[1:]]
         self.local_dlist = self.nixl.prep_xfer_dlist(
             "NIXL_INIT_AGENT", region_table(pool.data_ptr(), layout, self.device_id), self.mem_type)
         self.peers: dict[str, Peer] = {}
@@ -62,7 +72,7 @@ class TransferAgent:
     def info(self) -> TransferInfo:
         """What peers need to write into this worker's pool (serve it over the control plane)."""
         return TransferInfo(self.name, self.nixl.get_agent_metadata(), self.model, self.layout,
-                            self.pool.data_ptr(), self.device_id)
+                            self.pool.data_ptr(), self.device_id, ranks=self.ranks)
 
     def add_peer(self, info: TransferInfo) -> str:
         """Load a peer's agent after checking compatibility; replaces older incarnations of it."""
@@ -89,8 +99,14 @@ class TransferAgent:
         self.peers[name] = Peer(name, info, dlist)
         return name
 
+    @property
+    def side(self) -> Side:
+        """This worker's pools, as a write between tensor-parallel workers reads them."""
+        return Side(self.layout, self.ranks or (RankPool(self.pool.data_ptr(), 0, self.layout.num_kv_heads),))
+
     def info_without_metadata(self) -> TransferInfo:
-        return TransferInfo(self.name, b"", self.model, self.layout, self.pool.data_ptr(), self.device_id)
+        return TransferInfo(self.name, b"", self.model, self.layout, self.pool.data_ptr(), self.device_id,
+                            ranks=self.ranks)
 
     def peer(self, name: str) -> Peer:
         try:
@@ -128,4 +144,6 @@ class TransferAgent:
         for name in list(self.peers):
             self.remove_peer(name)
         self.local_dlist.release()
+        for registration in self._rank_registrations:
+            self.nixl.deregister_memory(registration)
         self.nixl.deregister_memory(self._registration)

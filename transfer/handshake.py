@@ -13,6 +13,9 @@ import json
 from dataclasses import dataclass
 
 from transfer.layout import PROTOCOL_VERSION, KVLayout, compatibility_hash
+from transfer.ranks import RankPool, Side
+
+MAX_RANKS = 1024  # a peer's claimed tensor-parallel degree, bounded like its layout
 
 
 class HandshakeError(ValueError):
@@ -48,10 +51,25 @@ class TransferInfo:
     base_addr: int  # address of the pool's first byte in the worker's process
     device_id: int = 0
     protocol_version: int = PROTOCOL_VERSION
+    # A tensor-parallel worker's pools, rank 0 first (transfer/ranks.py); () for one rank
+    # holding every KV head at base_addr. `layout` is then each rank's pool.
+    ranks: tuple[RankPool, ...] = ()
+
+    @property
+    def rank_pools(self) -> tuple[RankPool, ...]:
+        return self.ranks or (RankPool(self.base_addr, 0, self.layout.num_kv_heads),)
+
+    @property
+    def total_kv_heads(self) -> int:
+        return max(r.head_start + r.head_count for r in self.rank_pools)
+
+    @property
+    def side(self) -> Side:
+        return Side(self.layout, self.rank_pools)
 
     @property
     def compat_hash(self) -> str:
-        return compatibility_hash(self.model, self.layout)
+        return compatibility_hash(self.model, self.layout, self.total_kv_heads)
 
     @property
     def worker_key(self) -> tuple[str, str]:
@@ -68,6 +86,7 @@ class TransferInfo:
             "layout": self.layout.__dict__,
             "base_addr": self.base_addr,
             "device_id": self.device_id,
+            "ranks": [[r.base_addr, r.head_start, r.head_count] for r in self.ranks],
             "compat_hash": self.compat_hash,
         }).encode()
 
@@ -78,9 +97,11 @@ class TransferInfo:
             version = d["protocol_version"]
             if version != PROTOCOL_VERSION:
                 raise HandshakeError(f"peer speaks transfer protocol {version}, this worker {PROTOCOL_VERSION}")
+            ranks = tuple(RankPool(int(a), int(s), int(c)) for a, s, c in d.get("ranks", ()))
             info = cls(d["agent_name"], base64.b64decode(d["agent_metadata"]), d["model"],
-                       KVLayout(**d["layout"]), int(d["base_addr"]), int(d["device_id"]), version)
+                       KVLayout(**d["layout"]), int(d["base_addr"]), int(d["device_id"]), version, ranks)
             parse_agent_name(info.agent_name)  # an unparseable name would break add_peer for every later peer
+            check_ranks(info)
         except HandshakeError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -90,12 +111,32 @@ class TransferInfo:
         return info
 
 
+def check_ranks(info: TransferInfo) -> None:
+    """A tensor-parallel worker's pools must each hold as many heads as its layout says, and
+    together every head from 0 (a claim that leaves a head out would leave blocks unwritten)."""
+    if not info.ranks:
+        return
+    if len(info.ranks) > MAX_RANKS:
+        raise HandshakeError(f"{info.agent_name}: {len(info.ranks)} ranks, more than {MAX_RANKS}")
+    held = set()
+    for i, r in enumerate(info.ranks):
+        if r.head_count != info.layout.num_kv_heads or r.head_start < 0:
+            raise HandshakeError(f"{info.agent_name}: rank {i} holds KV heads {r.head_start}..+{r.head_count}, "
+                                 f"its layout says {info.layout.num_kv_heads} per rank")
+        held.update(r.heads)
+    if held != set(range(info.total_kv_heads)):
+        raise HandshakeError(f"{info.agent_name}: its ranks hold KV heads {sorted(held)}, not every head from 0")
+
+
 def check_compatible(local: TransferInfo, remote: TransferInfo) -> None:
-    """Raise HandshakeError naming every field on which the two workers disagree."""
+    """Raise HandshakeError naming every field on which the two workers disagree (their
+    tensor-parallel degrees may differ: the model's KV heads are compared, not a rank's)."""
     if local.compat_hash == remote.compat_hash:
         return
-    mine = {"protocol": local.protocol_version, "model": local.model, **local.layout.compatibility_fields()}
-    theirs = {"protocol": remote.protocol_version, "model": remote.model, **remote.layout.compatibility_fields()}
+    mine = {"protocol": local.protocol_version, "model": local.model,
+            **local.layout.compatibility_fields(local.total_kv_heads)}
+    theirs = {"protocol": remote.protocol_version, "model": remote.model,
+              **remote.layout.compatibility_fields(remote.total_kv_heads)}
     diffs = ", ".join(f"{k}: {mine[k]!r} here vs {theirs.get(k)!r}" for k in mine if mine[k] != theirs.get(k))
     raise HandshakeError(f"{remote.agent_name} is incompatible with {local.agent_name} ({diffs}); "
                          "both sides must serve the same model with the same dtype, block size and layout")

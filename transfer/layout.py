@@ -75,16 +75,20 @@ class KVLayout:
     def pool_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 
-    def compatibility_fields(self) -> dict[str, object]:
-        """Everything two peers must agree on to exchange blocks (the pool size may differ)."""
+    def compatibility_fields(self, total_kv_heads: int | None = None) -> dict[str, object]:
+        """Everything two peers must agree on to exchange blocks (the pool size may differ).
+        `total_kv_heads`: the model's, when this pool is one tensor-parallel rank's share of
+        them (peers of different degrees agree on the model's count, not on a rank's)."""
         fields = asdict(self)
         del fields["num_blocks"]
+        if total_kv_heads is not None:
+            fields["num_kv_heads"] = total_kv_heads
         return {"layout": LAYOUT_NAME, **fields}
 
 
-def compatibility_hash(model: str, layout: KVLayout) -> str:
+def compatibility_hash(model: str, layout: KVLayout, total_kv_heads: int | None = None) -> str:
     """Hash of (protocol version, model, dtype, block size, layout): equal means compatible."""
-    payload = {"protocol": PROTOCOL_VERSION, "model": model, **layout.compatibility_fields()}
+    payload = {"protocol": PROTOCOL_VERSION, "model": model, **layout.compatibility_fields(total_kv_heads)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
 

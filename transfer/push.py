@@ -25,11 +25,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from transfer import metrics
-from transfer.agent import TransferAgent
+from transfer.agent import MAX_PEERS, TransferAgent
 from transfer.faults import FaultFile, InjectedTransferError
 from transfer.handshake import parse_agent_name
 from transfer.layout import region_indices
 from transfer.messages import NotifKind, encode
+from transfer.ranks import Piece, block_descriptors, write_pieces
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class _Chunk:
     last: bool
     queued_at: float = field(default_factory=time.monotonic)
     handle: object = None  # NIXL transfer handle once posted
+    num_bytes: int = 0  # what its write moves, once posted
 
 
 @dataclass
@@ -84,6 +86,7 @@ class KVPusher:
         self._pushes: dict[str, _Push] = {}
         self._events: list[PushEvent] = []
         self._faults = FaultFile(agent.name)
+        self._pieces_by_peer: dict[str, list[Piece]] = {}
 
     def start(self, request_id: str, peer: str, timeout_s: float | None = None, notify_as: str = "") -> None:
         """Open a push of one request's KV into `peer` (an agent name added with add_peer);
@@ -142,7 +145,7 @@ class KVPusher:
                 if state == "DONE":
                     p.in_flight.remove(chunk)
                     chunk.handle.release()
-                    p.confirmed_bytes += len(chunk.local) * self.agent.layout.block_bytes
+                    p.confirmed_bytes += chunk.num_bytes
                     if chunk.last:
                         return self._finish(p, PushStatus.DONE)
                 elif state == "ERR":
@@ -177,14 +180,31 @@ class KVPusher:
     def _post(self, p: _Push, chunk: _Chunk) -> None:
         agent = self.agent
         peer = agent.peer(p.peer)
-        r = agent.layout.regions_per_block
         notif = encode(NotifKind.DONE, p.notify_id, p.num_blocks) if chunk.last else b""
-        handle = agent.nixl.make_prepped_xfer("WRITE", agent.local_dlist, region_indices(chunk.local, r),
-                                              peer.dlist, region_indices(chunk.remote, r), notif)
+        if agent.ranks or peer.info.ranks:  # a tensor-parallel side: every rank's share, in one write
+            local, remote = block_descriptors(self._pieces(peer), agent.side, peer.info.side, chunk.local,
+                                              chunk.remote, agent.device_id, peer.info.device_id)
+            handle = agent.nixl.initialize_xfer("WRITE", agent.nixl.get_xfer_descs(local, agent.mem_type),
+                                                agent.nixl.get_xfer_descs(remote, agent.mem_type), p.peer, notif)
+            chunk.num_bytes = int(local[:, 1].sum())
+        else:
+            r = agent.layout.regions_per_block
+            handle = agent.nixl.make_prepped_xfer("WRITE", agent.local_dlist, region_indices(chunk.local, r),
+                                                  peer.dlist, region_indices(chunk.remote, r), notif)
+            chunk.num_bytes = len(chunk.local) * agent.layout.block_bytes
         chunk.handle = handle
         state = agent.nixl.transfer(handle)
         if state == "ERR":
             raise RuntimeError("NIXL refused to post the write")
+
+    def _pieces(self, peer) -> list[Piece]:
+        """Which of our ranks' heads go to which of the peer's ranks (kept per peer)."""
+        pieces = self._pieces_by_peer.get(peer.name)
+        if pieces is None:
+            if len(self._pieces_by_peer) >= 4 * MAX_PEERS:
+                self._pieces_by_peer.clear()
+            pieces = self._pieces_by_peer[peer.name] = write_pieces(self.agent.side, peer.info.side)
+        return pieces
 
     def _notify_abort(self, p: _Push) -> None:
         try:

@@ -60,8 +60,8 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads for this process (each rank's with "
                                                                 "--tensor-parallel-size)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks the model is sharded over, one process each (engine/parallel/); with more than "
-                        "one, aggregated only so far (--no-transfer)")
+                   help="ranks the model is sharded over, one process each (engine/parallel/); KV moves "
+                        "to and from workers of any degree the model's KV heads allow (transfer/ranks.py)")
     p.add_argument("--no-transfer", action="store_true", help="no NIXL agent (aggregated mode only)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
                    help="floor of the stall bound: a worker with work that completes no step for "
@@ -75,9 +75,6 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
     cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
-    if args.tensor_parallel_size > 1 and not args.no_transfer:
-        raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: KV transfer between tensor-parallel "
-                         "workers is not written yet; serve aggregated (--no-transfer)")
     engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size)
     if engine.ranks is not None:
         engine.ranks.on_lost = _end_with_lost_rank
@@ -108,7 +105,12 @@ def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: s
         return None
     incarnation = args.incarnation if args.incarnation is not None else int(time.time() * 1000)
     pool = engine.kv_pool
-    return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model)
+    try:
+        ranks = engine.rank_pools()  # a tensor-parallel worker's agent registers every rank's pool
+    except RuntimeError as e:
+        raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}; serve aggregated "
+                         "(--no-transfer)") from None
+    return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model, ranks)
 
 
 def rpc_threads(scheduler: SchedulerConfig) -> int:

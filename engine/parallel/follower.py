@@ -16,8 +16,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+import kernels.memory
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, pool_shape
 from engine.model_runner import ModelRunner
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.rank_clock import RankClocks, injected_stretch
@@ -54,7 +55,9 @@ def join_group(rendezvous: str, size: int, rank: int, device: str = "cpu") -> No
 
 
 def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,
-                  num_threads: int, plans: Connection, clocks: RankClocks) -> None:
+                  num_threads: int, plans: Connection, clocks: RankClocks, pool_path: str | None = None) -> None:
+    """`pool_path`: the file rank 0 made for this rank's KV pool (shared with it), or None
+    for a pool of its own."""
     torch.set_num_threads(num_threads)
     size = config.tensor_parallel_size
     device = rank_device(config.device, rank)
@@ -62,7 +65,9 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
     try:
         layout = TensorParallelLayout.of(config.model, size, rank)
         model = load_sharded_model(config.model_path, config.model, layout, config.dtype, device)
-        kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, device)
+        shape = pool_shape(model.local_cfg, num_blocks, config.cache.block_size)
+        pool = kernels.memory.shared_zeros(pool_path, shape, config.dtype) if pool_path else None
+        kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, device, pool)
         runner = ModelRunner(model, kv, device, limits)
         stretch = injected_stretch(rank)
         plans.send("ready")

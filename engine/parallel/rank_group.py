@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
 import weakref
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+import kernels.memory
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, pool_shape
 from engine.model_runner import ModelRunner, PreparedStep, RunnerOutput
 from engine.parallel.follower import follower_main, join_group
+from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.rank_clock import RankClocks, injected_stretch
 from engine.parallel.step_plan import StepPlan
 from engine.scheduler import SchedulerOutput
@@ -55,15 +58,26 @@ class RankGroup:
             raise RuntimeError(f"tensor_parallel_size={size} on CUDA needs a device per rank; "
                                f"{torch.cuda.device_count()} visible")
         self.clocks = RankClocks(size)  # every rank's step and collective times (engine/parallel/rank_clock.py)
+        self.layouts = [TensorParallelLayout.of(config.model, size, rank) for rank in range(size)]
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         rendezvous = str(Path(self._dir) / "rendezvous")
+        # On CPU every follower's KV pool is memory shared with this process, so the group's
+        # transfer agent (rank 0's) can register every rank's pool: KV moves between groups
+        # of any degrees without the followers taking part (transfer/ranks.py).
+        self.pools: list[torch.Tensor] = []  # ranks 1..'s pools, as mapped here (CPU only)
+        self._shm = _shared_folder() if torch.device(config.device).type == "cpu" else None
+        paths = [None] * size
+        for rank in range(1, size if self._shm else 1):
+            paths[rank] = str(Path(self._shm) / f"rank-{rank}.kv")
+            shape = pool_shape(self.layouts[rank].local_config(config.model), num_blocks, config.cache.block_size)
+            self.pools.append(kernels.memory.shared_zeros(paths[rank], shape, config.dtype))
         ctx = multiprocessing.get_context("spawn")
         self._pipes, self._procs = [], []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=follower_main, daemon=True, name=f"tp-rank-{rank}",
                                args=(config, rank, rendezvous, num_blocks, limits, torch.get_num_threads(), theirs,
-                                     self.clocks))
+                                     self.clocks, paths[rank]))
             proc.start()
             theirs.close()
             self._pipes.append(ours)
@@ -81,6 +95,9 @@ class RankGroup:
         except BaseException:
             self.close()
             raise
+        finally:
+            if self._shm:  # every rank mapped its pool (or failed): the memory lives while they are mapped
+                shutil.rmtree(self._shm, ignore_errors=True)
 
     @property
     def pids(self) -> list[int]:
@@ -116,6 +133,11 @@ class RankGroup:
         self._closer()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _shared_folder() -> str:
+    """A private folder in memory (/dev/shm where there is one) for the followers' pools."""
+    return tempfile.mkdtemp(prefix="pdserve-tp-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
 
 def _stop(pipes, procs, folder: str, closing: threading.Event) -> None:

@@ -132,17 +132,11 @@ def test_out_of_range_values_are_refused(tmp_path, text, message):
     assert message in str(e.value)
 
 
-def test_tensor_parallelism_is_aggregated_decode_only_so_far_and_says_so(tmp_path):
-    assert load(tmp_path, "prefill: {replicas: 0}\ndecode: {tp_size: 2}\n").decode.tp_size == 2
-    with pytest.raises(ConfigError) as e:
-        load(tmp_path, "decode: {tp_size: 2}\n")
-    assert "x.yaml: decode.tp_size: a tensor-parallel decode worker (2) serves aggregated only" in str(e.value)
-    assert "set prefill.replicas to 0 and leave the planner off" in str(e.value)
-    with pytest.raises(ConfigError, match=r"x\.yaml: prefill\.tp_size: tensor-parallel prefill workers need KV "
-                                          r"transfer between tensor-parallel workers, which is not written yet"):
-        load(tmp_path, "prefill: {tp_size: 2}\n")
+def test_each_pool_takes_its_own_tensor_parallel_degree(tmp_path):
+    config = load(tmp_path, "prefill: {tp_size: 2}\ndecode: {tp_size: 4}\n")
+    assert (config.prefill.tp_size, config.decode.tp_size) == (2, 4)
     with pytest.raises(ConfigError, match=r"decode\.tp_size: must be at least 1, got 0"):
-        load(tmp_path, "prefill: {replicas: 0}\ndecode: {tp_size: 0}\n")
+        load(tmp_path, "decode: {tp_size: 0}\n")
 
 
 def test_missing_file_and_bad_yaml_are_clear(tmp_path):
@@ -192,7 +186,7 @@ def test_bundles_reserve_what_the_pool_asks_one_per_rank():
     assert tp.bundles() == [{"CPU": 2, "GPU": 1, "decode": 1}, {"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}]
     assert tp.cpus_per_worker == 6
     args = tp.worker_args()
-    assert args[args.index("--tensor-parallel-size") + 1] == "3" and "--no-transfer" in args
+    assert args[args.index("--tensor-parallel-size") + 1] == "3" and "--no-transfer" not in args
     assert "--tensor-parallel-size" not in PoolConfig().worker_args()
 
 

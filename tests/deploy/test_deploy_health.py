@@ -59,6 +59,8 @@ def test_a_move_is_in_place_only_between_pools_of_one_bundle():
     assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, off) is None
     apart = DeployConfig.from_dict({"prefill": {"resources": {"prefill": 1}}})
     assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, apart) is None
+    parallel = DeployConfig.from_dict({"prefill": {"tp_size": 2}, "decode": {"tp_size": 2}})
+    assert in_place_moves({"prefill": 1, "decode": 2}, {"prefill": 2, "decode": 1}, parallel) is None  # ranks stay
     configs = Path(__file__).resolve().parents[2] / "deploy" / "configs"
     gpu, multi = (DeployConfig.from_yaml(configs / f"{name}.yaml") for name in ("gpu-8x-node", "multi-node"))
     assert in_place_moves({"prefill": 4, "decode": 4}, {"prefill": 5, "decode": 3}, gpu) == Moves("decode", "prefill", 1)

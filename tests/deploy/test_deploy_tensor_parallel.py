@@ -1,8 +1,10 @@
 """A deployment whose decode worker is tensor-parallel (YAML `decode.tp_size: 3`, SmolLM2's
-9 query and 3 KV heads, aggregated): Ray reserves its three ranks as one placement group,
-it serves greedy text equal to one rank's, and when one of its ranks is killed (kill -9)
-the whole worker is replaced: the stream in flight ends with an error event (never a hang),
-the old group's processes all end, and a new group serves again."""
+9 query and 3 KV heads) behind a prefill worker of one rank: Ray reserves the decode
+worker's three ranks as one placement group, the prefill worker pushes each prompt's KV
+into them (the answer's headers say so) and the greedy text equals one rank's; when one of
+its ranks is killed (kill -9) the whole worker is replaced: the stream in flight ends with
+an error event (never a hang), the old group's processes all end, and a new group serves
+again, with its KV again from the prefill worker."""
 
 from __future__ import annotations
 
@@ -29,13 +31,13 @@ def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_ran
     with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64) as one:
         want = one.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))[0].text
     config = tmp_path / "tp.yaml"
-    config.write_text("dtype: float32\nprefill: {replicas: 0}\ndecode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n")
+    config.write_text("dtype: float32\nprefill: {replicas: 1, kv_blocks: 256}\n"
+                      "decode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n")
     port = free_port()
     url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
-    with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "3") as (_, address):
+    with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4") as (_, address):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
-        assert reply.choices[0].message.content == want
+        _assert_served_remotely(client, want)
 
         (before,) = deployment_status(address)["pools"]["decode"]
         ranks = _ranks(before["pid"])
@@ -60,7 +62,15 @@ def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_ran
 
         def served():
             try:
-                return client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
+                return _assert_served_remotely(client, want)
             except Exception:
                 return None
-        assert wait_for(served, 60, "serving after the replacement").choices[0].message.content == want
+        assert wait_for(served, 60, "serving after the replacement, KV from the prefill worker")
+
+
+def _assert_served_remotely(client: OpenAI, want: str) -> bool:
+    raw = client.chat.completions.with_raw_response.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                                           temperature=0)
+    assert raw.parse().choices[0].message.content == want
+    assert raw.headers["x-pdserve-prefill"] == "remote" and int(raw.headers["x-pdserve-kv-blocks"]) > 0, raw.headers
+    return True

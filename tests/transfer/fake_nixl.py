@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from bench.harness.transfer_peers import MODEL
 from transfer.agent import Peer, TransferAgent
+from transfer.handshake import TransferInfo
 from transfer.layout import KVLayout
 
 LAYOUT = KVLayout(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
@@ -70,5 +71,7 @@ def fake_agent(regions_per_block: int = 1) -> TransferAgent:
     agent.layout = replace(LAYOUT, regions_per_block=regions_per_block)
     agent.nixl = FakeNixl()
     agent.local_dlist = "local-dlist"
-    agent.peers = {"decode-0-1": Peer("decode-0-1", None, "remote-dlist")}
+    agent.ranks = ()  # one rank: the prepped descriptor lists
+    agent.peers = {"decode-0-1": Peer("decode-0-1", TransferInfo("decode-0-1", b"", MODEL, agent.layout, 0),
+                                      "remote-dlist")}
     return agent

@@ -1,0 +1,70 @@
+"""The writes that move KV blocks between tensor-parallel workers of any degrees
+(transfer/ranks.py), checked by carrying them out byte for byte (memmove over the real
+pools' addresses) and comparing each receiving rank's pool with its heads' slice of the
+same KV computed whole: equal degrees, a degree into one rank and back, 2 into 4, and
+replicated KV heads (fewer heads than ranks) on either side."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from transfer.layout import KVLayout
+from transfer.ranks import RankPool, Side, block_descriptors, write_pieces
+
+LAYERS, BLOCK, DIM, BLOCKS = 2, 4, 8, 6
+
+
+def _heads(num_kv: int, size: int) -> list[range]:
+    if num_kv >= size:
+        per = num_kv // size
+        return [range(r * per, (r + 1) * per) for r in range(size)]
+    replicas = size // num_kv
+    return [range(r // replicas, r // replicas + 1) for r in range(size)]
+
+
+def _worker(full: torch.Tensor | None, num_kv: int, size: int) -> tuple[Side, list[torch.Tensor]]:
+    """A worker of `size` ranks: each rank's pool holds its heads of `full` (zeros if None)."""
+    heads = _heads(num_kv, size)
+    pools = []
+    for h in heads:
+        pool = torch.zeros(BLOCKS, LAYERS, 2, BLOCK, len(h), DIM, dtype=torch.float32)
+        if full is not None:
+            pool.copy_(full[..., h.start:h.stop, :])
+        pools.append(pool)
+    layout = KVLayout.of_pool(pools[0])
+    return Side(layout, tuple(RankPool(p.data_ptr(), h.start, len(h)) for p, h in zip(pools, heads))), pools
+
+
+@pytest.mark.parametrize("num_kv,src_size,dst_size", [
+    (4, 1, 1), (4, 2, 2), (4, 2, 1), (4, 1, 2), (4, 2, 4), (4, 4, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4), (2, 4, 2),
+])
+def test_every_receiving_rank_gets_exactly_its_heads_of_the_blocks_written(num_kv, src_size, dst_size):
+    full = torch.randn(BLOCKS, LAYERS, 2, BLOCK, num_kv, DIM)
+    ours, src_pools = _worker(full, num_kv, src_size)
+    theirs, dst_pools = _worker(None, num_kv, dst_size)
+    local, remote = [1, 4, 2], [5, 0, 3]
+    pieces = write_pieces(ours, theirs)
+    src, dst = block_descriptors(pieces, ours, theirs, local, remote)
+    assert (src[:, 1] == dst[:, 1]).all()
+    for (s, n, _), (d, _, _) in zip(src.tolist(), dst.tolist()):
+        ctypes.memmove(d, s, n)
+    heads = _heads(num_kv, dst_size)
+    for pool, h in zip(dst_pools, heads):
+        want = torch.zeros_like(pool)
+        want[remote] = full[local][..., h.start:h.stop, :]
+        assert torch.equal(pool, want)
+    same = len(_heads(num_kv, src_size)[0]) == len(_heads(num_kv, dst_size)[0])
+    assert all(p.whole for p in pieces) == same  # ranks of equal heads move whole blocks, one region each
+    if same:
+        assert len(src) == len(local) * dst_size
+
+
+def test_a_head_no_rank_holds_is_refused():
+    ours, _ = _worker(None, 4, 2)
+    theirs, _ = _worker(None, 4, 1)
+    narrowed = Side(ours.layout, (ours.ranks[0],))  # rank 1's heads missing
+    with pytest.raises(ValueError, match="KV head 2 of their rank 0 is held by none of our ranks"):
+        write_pieces(narrowed, theirs)
