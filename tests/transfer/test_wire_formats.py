@@ -19,6 +19,7 @@ from bench.harness.transfer_peers import BLOCK_BYTES, MODEL
 from transfer.handshake import HandshakeError, TransferInfo, agent_name, check_compatible, parse_agent_name
 from transfer.layout import KVLayout, compatibility_hash, region_indices, region_table
 from transfer.messages import Notification, NotifKind, decode, encode
+from transfer.ranks import RankPool
 
 LAYOUT = KVLayout(num_blocks=64, num_layers=4, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
 
@@ -139,6 +140,42 @@ def test_check_compatible_names_every_differing_field():
         check_compatible(_info(agent_name="prefill-0-1"),
                          _info(model="m2", layout=replace(LAYOUT, dtype="float32", head_dim=128)))
     assert named_fields(str(refused.value)) == {"model", "dtype", "head_dim"}
+
+
+def _parallel(*heads: tuple[int, int], layout: KVLayout = LAYOUT) -> TransferInfo:
+    """A tensor-parallel worker's info: one (head_start, head_count) per rank."""
+    ranks = tuple(RankPool(0x7F0000000000 + i * 0x100000000, start, count) for i, (start, count) in enumerate(heads))
+    return _info(layout=layout, ranks=ranks, base_addr=ranks[0].base_addr)
+
+
+def test_tensor_parallel_infos_round_trip_and_are_compatible_across_degrees():
+    one = _info(layout=replace(LAYOUT, num_kv_heads=4))  # every head in one pool
+    two = _parallel((0, 2), (2, 2))  # LAYOUT: two heads a rank
+    four = _parallel((0, 1), (1, 1), (2, 1), (3, 1), layout=replace(LAYOUT, num_kv_heads=1))
+    for info in (two, four):
+        assert TransferInfo.from_bytes(info.to_bytes()) == info and info.total_kv_heads == 4
+    assert one.compat_hash == two.compat_hash == four.compat_hash  # the model's heads, not a rank's
+    check_compatible(two, four)
+    assert one.compat_hash == compatibility_hash(MODEL, replace(LAYOUT, num_kv_heads=4))  # one rank: as before
+    with pytest.raises(HandshakeError) as refused:  # a model of another head count is still refused
+        check_compatible(two, _info(layout=replace(LAYOUT, num_kv_heads=2)))
+    assert named_fields(str(refused.value)) == {"num_kv_heads"}
+
+
+@pytest.mark.parametrize("ranks, words", [
+    ([[1, 0, 2], [2, 4, 2]], "hold KV heads [0, 1, 4, 5], not every head from 0"),  # heads 2, 3 held by none
+    ([[1, 0, 2], [2, 3, 2]], "hold KV heads [0, 1, 3, 4], not every head from 0"),
+    ([[1, 0, 2], [2, 2, 1]], "rank 1 holds KV heads 2..+1, its layout says 2 per rank"),
+    ([[1, -2, 2], [2, 0, 2]], "rank 0 holds KV heads -2..+2"),
+    ([[1, 0, 2]] * 1025, "1025 ranks, more than 1024"),
+    ([[1, 0]], "malformed"),
+])
+def test_a_tensor_parallel_info_whose_ranks_leave_heads_out_is_refused(ranks, words):
+    d = json.loads(_parallel((0, 2), (2, 2)).to_bytes())
+    d["ranks"] = ranks
+    d["compat_hash"] = _parallel((0, 2), (2, 2)).compat_hash if words != "malformed" else d["compat_hash"]
+    with pytest.raises(HandshakeError, match=re.escape(words)):
+        TransferInfo.from_bytes(json.dumps(d).encode())
 
 
 @settings(max_examples=200, deadline=None)
