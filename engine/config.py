@@ -240,3 +240,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: str = "cpu"
     tensor_parallel_size: int = 1  # ranks the model is sharded over (engine/parallel/)
+    # The other ranks' KV pools in memory shared with rank 0, so a transfer agent there can
+    # register them (a P/D worker's); off, each rank's pool is its own, on huge pages where
+    # the host allows, which shared memory gets only where shmem huge pages are enabled.
+    share_rank_pools: bool = False

@@ -155,6 +155,7 @@ class LLMEngine:
         scheduler: SchedulerConfig | None = None,
         eos_token_ids: frozenset[int] = frozenset(),
         tensor_parallel_size: int = 1,
+        share_rank_pools: bool = False,
     ) -> LLMEngine:
         model_cfg = ModelConfig.from_pretrained(path)
         if eos_token_ids:
@@ -164,7 +165,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
                              f"limit of {model_cfg.max_model_len}")
         return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched,
-                                tensor_parallel_size=tensor_parallel_size))
+                                tensor_parallel_size=tensor_parallel_size, share_rank_pools=share_rank_pools))
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one rank). Bounded."""
@@ -274,8 +275,9 @@ class LLMEngine:
         if self.ranks is None:
             return [(self.kv_cache.pool, range(self.config.model.num_kv_heads))]
         if len(self.ranks.pools) != len(self.ranks.layouts) - 1:
-            raise RuntimeError("the other ranks' KV pools are not mapped in this process (CUDA ranks): KV "
-                               "transfer for a tensor-parallel group on CUDA needs an agent per rank, not written yet")
+            raise RuntimeError("the other ranks' KV pools are not mapped in this process (built without "
+                               "share_rank_pools, or CUDA ranks: a CUDA group would need an agent per rank, not "
+                               "written yet)")
         pools = [self.kv_cache.pool, *self.ranks.pools]
         return [(pool, layout.kv_heads) for pool, layout in zip(pools, self.ranks.layouts)]
 

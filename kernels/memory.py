@@ -27,13 +27,14 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_SHMEM_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 
 
 @functools.cache
-def _thp_mode() -> str:
+def _thp_mode(setting: Path = _THP_MODE) -> str:
     """`always`, `madvise` or `never` (the bracketed word of the kernel's setting), or why none."""
     try:
-        text = _THP_MODE.read_text()
+        text = setting.read_text()
     except OSError:
         return "unavailable"
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
@@ -72,5 +73,15 @@ def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -
     it is memory, not disk): every process that maps the same path sees the same bytes.
     A tensor-parallel group's ranks keep their KV pools this way, so rank 0 can hand all of
     them to its transfer agent (engine/parallel/rank_group.py). Removing the file once
-    every process mapped it frees the memory with the last mapping."""
-    return torch.from_file(str(path), shared=True, size=int(torch.Size(shape).numel()), dtype=dtype).view(shape)
+    every process mapped it frees the memory with the last mapping. Huge pages are asked
+    for (madvise) where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them
+    (`advise`, `within_size`, `always`); elsewhere the pool is on 4 KiB pages."""
+    tensor = torch.from_file(str(path), shared=True, size=int(torch.Size(shape).numel()), dtype=dtype)
+    mode = _thp_mode(_SHMEM_THP_MODE)
+    if mode not in ("advise", "within_size", "always"):
+        log_choice("shared KV pool pages", "4 KiB", f"shared-memory huge pages are {mode} here")
+    elif _madvise()(tensor.data_ptr(), tensor.numel() * tensor.element_size(), _MADV_HUGEPAGE) != 0:
+        log_choice("shared KV pool pages", "4 KiB", f"madvise(MADV_HUGEPAGE) failed (errno {ctypes.get_errno()})")
+    else:
+        log_choice("shared KV pool pages", "2 MiB transparent huge pages", f"shared-memory huge pages are {mode}")
+    return tensor.view(shape)

@@ -75,7 +75,8 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
     cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
-    engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size)
+    engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size,
+                                   share_rank_pools=not args.no_transfer)  # its agent registers every rank's pool
     if engine.ranks is not None:
         engine.ranks.on_lost = _end_with_lost_rank
         rank_metrics.register(engine.ranks.clocks)

@@ -61,11 +61,13 @@ class RankGroup:
         self.layouts = [TensorParallelLayout.of(config.model, size, rank) for rank in range(size)]
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         rendezvous = str(Path(self._dir) / "rendezvous")
-        # On CPU every follower's KV pool is memory shared with this process, so the group's
-        # transfer agent (rank 0's) can register every rank's pool: KV moves between groups
-        # of any degrees without the followers taking part (transfer/ranks.py).
+        # With share_rank_pools (CPU), every follower's KV pool is memory shared with this
+        # process, so the group's transfer agent (rank 0's) can register every rank's pool:
+        # KV moves between groups of any degrees without the followers taking part
+        # (transfer/ranks.py).
         self.pools: list[torch.Tensor] = []  # ranks 1..'s pools, as mapped here (CPU only)
-        self._shm = _shared_folder() if torch.device(config.device).type == "cpu" else None
+        self._shm = _shared_folder() if config.share_rank_pools and torch.device(config.device).type == "cpu" \
+            else None
         paths = [None] * size
         for rank in range(1, size if self._shm else 1):
             paths[rank] = str(Path(self._shm) / f"rank-{rank}.kv")

@@ -155,3 +155,24 @@ def test_cuda_ranks_take_a_device_each_and_too_few_devices_are_refused(tmp_path,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the same answer on any machine
     with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 on CUDA needs a device per rank; 1 visible"):
         RankGroup(config, 8, StepLimits(16, 4, 16))
+
+
+def test_shared_rank_pools_show_rank_0_what_every_rank_wrote(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
+    private = _engine(folder, 2)
+    try:
+        with pytest.raises(RuntimeError, match="not mapped in this process"):
+            private.rank_pools()
+    finally:
+        private.close()
+    engine = LLMEngine.from_folder(folder, "float32", CacheConfig(block_size=16, num_blocks=32),
+                                   SchedulerConfig(max_num_batched_tokens=16, max_model_len=256),
+                                   tensor_parallel_size=2, share_rank_pools=True)
+    try:
+        pools = engine.rank_pools()
+        assert [heads for _, heads in pools] == [range(0, 1), range(1, 2)]  # 2 KV heads, one a rank
+        _generate(engine, _prompts()[:1], 2)
+        for pool, _ in pools:  # the 7-token prompt's block, written by each rank into its own pool
+            assert pool[:, :, :, :7].abs().sum(dim=(1, 2, 3, 4, 5)).count_nonzero() >= 1
+    finally:
+        engine.close()

@@ -10,8 +10,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +17,7 @@ import grpc
 import pytest
 
 from bench.harness.tiny_models import write_tiny_checkpoint
-from bench.harness.worker_procs import REPO, start_workers, wait_until
+from bench.harness.worker_procs import start_workers, wait_until
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -110,14 +108,6 @@ def test_two_rank_worker_serves_one_ranks_tokens_and_ends_whole_when_a_rank_dies
         wait_until(lambda: all(_gone(p) for p in pids), 30, "the group's processes ended")
     finally:
         d.stop()
-
-
-def test_tensor_parallel_with_kv_transfer_is_refused_with_what_to_do(model):
-    proc = subprocess.run([sys.executable, "-m", "decode", "--model", str(model), "--port", "0",
-                           "--tensor-parallel-size", "2"], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "KV transfer between tensor-parallel workers is not written yet" in proc.stderr
-    assert "--no-transfer" in proc.stderr
 
 
 def test_a_rank_slower_than_its_group_is_named_by_deep_health(model, tmp_path):
