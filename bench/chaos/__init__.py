@@ -3,8 +3,9 @@
 Starts `pdserve serve` (embedded Ray, SmolLM2 in bfloat16, 2 decode workers) as a subprocess
 and runs the scenarios against it one after another (docs/chaos.md says what each does): the
 overload on a deployment of its own (1 prefill worker) whose gateway sheds past a TTFT bound,
-the others on one (2 prefill workers) that never sheds and has a tenants file, so every
-request carries a tenant's API key. It prints one row per scenario:
+the kill -9 of a tensor-parallel rank on one whose one decode worker has 3 ranks, the others
+on one (2 prefill workers) that never sheds and has a tenants file, so every request carries
+a tenant's API key. It prints one row per scenario:
 
 - completed: HTTP 200 and a finished answer (a stream: a finish_reason, then [DONE]);
 - failed cleanly: an OpenAI-shaped JSON error (429 shed, 503 no worker, ...), or an SSE
@@ -36,7 +37,7 @@ from bench.chaos.cli import main
 from bench.chaos.client import client, completion, recover, send, until
 from bench.chaos.context import Chaos, settle
 from bench.chaos.deployment import BIN, REPO, Deployment, free_port
-from bench.chaos.faults import kill_decode, kill_gateway, kill_prefill, wedged_decode
+from bench.chaos.faults import kill_decode, kill_decode_rank, kill_gateway, kill_prefill, wedged_decode
 from bench.chaos.load import LEAVE_KINDS, overload, storm
 from bench.chaos.report import Outcome, Record, Result, table
 from bench.chaos.scenarios import OWN_DEPLOYMENT, SCENARIOS, SHARED_DEPLOYMENT
@@ -48,7 +49,7 @@ from bench.chaos.sizes import (CLIENT_TIMEOUT_S, FULL, KV_BLOCKS, MAX_OUTPUT_TOK
 __all__ = [
     "BIN", "CLIENT_TIMEOUT_S", "FULL", "KV_BLOCKS", "LEAVE_KINDS", "MAX_OUTPUT_TOKENS", "MAX_TTFT_S", "MODEL", "QUICK",
     "OWN_DEPLOYMENT", "RECOVERY_TIMEOUT_S", "REPO", "SCENARIOS", "SHARED_DEPLOYMENT", "TOKENS", "Chaos", "Deployment", "Outcome", "Record", "Result",
-    "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_gateway",
-    "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "tenant_abuse", "transfer_error",
-    "transfer_slow", "transfer_stuck", "until", "wedged_decode",
+    "Sizes", "abuse", "client", "completion", "free_port", "fuzz", "half_read", "kill_decode", "kill_decode_rank",
+    "kill_gateway", "kill_prefill", "main", "overload", "recover", "send", "settle", "storm", "table", "tenant_abuse",
+    "transfer_error", "transfer_slow", "transfer_stuck", "until", "wedged_decode",
 ]

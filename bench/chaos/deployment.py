@@ -49,12 +49,16 @@ class Deployment:
 
     `tenants` (gateway/tenants.py's entries, API keys included) is written to a tenants file
     the gateway serves with (None: open, no keys); `gateway` sets more of the deploy config's
-    gateway keys (deploy/config.py GatewaySettings)."""
+    gateway keys (deploy/config.py GatewaySettings). `decode_replicas` decode workers of
+    `decode_tp_size` ranks each (a rank is a process: `--num-cpus 4` holds 1 prefill worker
+    and 3 ranks, or 2 prefill and 2 decode workers of one rank)."""
 
     def __init__(self, workdir: Path, sizes: Sizes, max_ttft_s: float | None = None, prefill_replicas: int = 1,
-                 tenants: list[dict] | None = None, gateway: dict | None = None):
+                 tenants: list[dict] | None = None, gateway: dict | None = None, decode_replicas: int = 2,
+                 decode_tp_size: int = 1):
         self.workdir, self.sizes, self.max_ttft_s = workdir, sizes, max_ttft_s
         self.prefill_replicas, self.tenants, self.gateway_settings = prefill_replicas, tenants, gateway or {}
+        self.decode_replicas, self.decode_tp_size = decode_replicas, decode_tp_size
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "serve.log"
@@ -76,7 +80,7 @@ class Deployment:
             tenants.write_text(json.dumps({"tenants": self.tenants}))
             gateway["tenants"] = str(tenants)
         return {"dtype": "auto", "prefill": {"replicas": self.prefill_replicas, "kv_blocks": KV_BLOCKS},
-                "decode": {"replicas": 2, "kv_blocks": KV_BLOCKS,
+                "decode": {"replicas": self.decode_replicas, "tp_size": self.decode_tp_size, "kv_blocks": KV_BLOCKS,
                            "extra_args": ["--prefill-timeout", str(self.sizes.prefill_timeout_s)]},
                 "gateway": gateway,
                 "health_interval_s": self.sizes.health_interval_s, "unhealthy_after": self.sizes.unhealthy_after,
@@ -163,6 +167,20 @@ class Deployment:
 
     def worker(self, role: str, worker_id: str = "0") -> dict:
         return next(w for w in self.workers() if w["role"] == role and w["worker_id"] == worker_id)
+
+    def group(self, worker: dict) -> list[psutil.Process]:
+        """A worker's processes: its own (rank 0), then the ranks it spawned (multiprocessing's
+        `spawn_main`; its resource tracker aside). One process for a worker of one rank."""
+        root = psutil.Process(worker["pid"])
+        ranks = []
+        for p in root.children():
+            try:
+                line = " ".join(p.cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if "spawn_main" in line and "resource_tracker" not in line:
+                ranks.append(p)
+        return [root, *ranks]
 
     def gateway(self) -> psutil.Process:
         """The `python -m gateway` process (a child of its host actor, in the serve tree)."""

@@ -1,5 +1,5 @@
-"""The fault scenarios: kill -9 of the prefill worker, of a decode worker, of the gateway,
-and a wedged decode worker."""
+"""The fault scenarios: kill -9 of the prefill worker, of a decode worker, of one rank of a
+tensor-parallel decode worker, of the gateway, and a wedged decode worker."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import signal
 import time
 from collections.abc import Callable
 
+import psutil
+
 from bench.chaos.client import client, completion, recover, send, until
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Record, Result
 from bench.chaos.sizes import RECOVERY_TIMEOUT_S
+from worker.exit_codes import RANK_LOST, describe
+
+GROUP_END_S = 30.0  # after the replacement, how long the old group's processes may take to end
 
 
 async def kill_prefill(ctx: Chaos) -> Result:
@@ -89,6 +94,38 @@ async def kill_decode(ctx: Chaos) -> Result:
     if res.failed_cleanly:
         res.broken.append(f"{res.failed_cleanly} streams failed: each should have been replayed on the other worker")
     res.notes.append(f"{res.figures['replayed']} streams replayed")
+    return res
+
+
+async def kill_decode_rank(ctx: Chaos) -> Result:
+    """kill -9 of one follower rank of a tensor-parallel decode worker mid-stream: the worker
+    exits (code 70) and the controller replaces the whole group; its streams move to another
+    decode worker if there is one, else end with an error event; every process of the old
+    group ends; a fresh request is served once the new group is ready."""
+    dep, res = ctx.dep, Result("kill-decode-rank", fault=True)
+    victim = await asyncio.to_thread(dep.worker, "decode", "0")
+    group = await asyncio.to_thread(dep.group, victim)
+    res.figures["ranks"] = len(group)
+    if len(group) < 2:
+        res.broken.append(f"decode worker 0 has {len(group)} rank: no follower to kill")
+        return res
+    old = [group[0], *await asyncio.to_thread(group[0].children, True)]  # ranks, resource tracker...
+    offset, before = len(dep.log_text()), await asyncio.to_thread(dep.replays)
+    replaced = r"decode worker 0: incarnation \d+ ready"
+    res = await _streams_then_kill(ctx, res, group[-1].kill, replaced)  # a follower: not rank 0's process
+    res.figures["replayed"] = int(await asyncio.to_thread(dep.replays) - before)
+    if res.replaced_s is None:
+        res.broken.append(f"the group was not replaced within {RECOVERY_TIMEOUT_S:.0f}s")
+    if f"decode worker 0: its process exited ({describe(RANK_LOST)})" not in dep.log_text()[offset:]:
+        res.broken.append("the controller did not report the worker's exit for a lost rank")
+    _, alive = await asyncio.to_thread(psutil.wait_procs, old, GROUP_END_S)
+    res.figures["old_group_left"] = [p.pid for p in alive]
+    if alive:
+        res.broken.append(f"{len(alive)} of the old group's {len(old)} processes still running")
+    refused = res.figures.get("recovery_probes", {}).get(Outcome.FAILED_CLEANLY.value, 0)
+    res.notes.append(f"{len(group)} ranks ({len(old)} processes), {len(old) - len(alive)} ended; "
+                     f"{res.figures['replayed']} streams replayed; {refused} fresh requests refused cleanly "
+                     "until the new group served")
     return res
 
 

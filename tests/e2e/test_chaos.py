@@ -4,7 +4,8 @@ own (1 prefill + 2 decode workers) whose gateway sheds past a TTFT bound; then, 
 never sheds (2 prefill + 2 decode workers, a tenants file), shared by the module, a
 cancellation storm, abuse, issue 44's tenant attacks with a victim tenant streaming, the
 KV-transfer faults, and the faults that replace processes (a wedged decode worker, kill -9
-of the prefill worker, of a decode worker, of the gateway). Each asserts the issue's figures
+of the prefill worker, of a decode worker, of the gateway); and, on a deployment of its own
+whose one decode worker has 3 tensor-parallel ranks, kill -9 of one rank. Each asserts the issue's figures
 through `Result.problems()`: nothing hung, no KV block leaked on any worker once idle, no 5xx
 where none is allowed, no cut stream unless the gateway itself died, and a fresh request
 served again after every fault. No assert is on speed: recovery bounds are minutes.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import pytest
 
@@ -61,7 +63,8 @@ def test_the_stall_fault_wedges_the_named_worker_only(tmp_path, monkeypatch):
 
     stall = tmp_path / "stall"
     monkeypatch.setenv(envs.FAULT_STALL_FILE, str(stall))
-    loops = {name: EngineLoop(engine=None) for name in ("decode-1-17", "decode-0-17", "prefill-0-17")}
+    one_rank = SimpleNamespace(ranks=None)  # the stall check reads no engine; the loop asks only its ranks
+    loops = {name: EngineLoop(engine=one_rank) for name in ("decode-1-17", "decode-0-17", "prefill-0-17")}
     for name, loop in loops.items():
         loop.name = name
 
@@ -87,6 +90,17 @@ def test_overload_is_shed_with_fast_429s_and_no_crash(smollm2_dir, tmp_path):
         r = run(c, "overload")
     f = r.figures
     assert r.completed > 0 and f["rejected"] > 0, f  # at 5x capacity some are admitted and some shed
+
+
+def test_kill_9_of_a_tensor_parallel_decode_rank_replaces_the_group(smollm2_dir, tmp_path):
+    """On a deployment of its own, whose one decode worker has 3 ranks: the streams it held end
+    with an error event (no other decode worker to replay them on), the whole group is replaced,
+    every process of the old one ends (else a problem()), and a fresh request is served again."""
+    with deployment(tmp_path, **chaos.OWN_DEPLOYMENT["kill-decode-rank"]) as c:
+        r = run(c, "kill-decode-rank")
+    assert r.figures["ranks"] == 3 and not r.figures["old_group_left"], r.figures
+    assert r.recovery_s < GENEROUS_S and r.replaced_s is not None and r.replaced_s < GENEROUS_S, r.notes
+    assert r.completed + r.failed_cleanly == c.sizes.streams and r.failed_cleanly > 0, r
 
 
 def test_a_cancellation_storm_leaks_no_block_and_hangs_nothing(ctx):
