@@ -1,6 +1,8 @@
 """KV push bandwidth over NIXL against memcpy and a numpy gather of the same bytes.
 
-    python -m bench.transfer [--tokens 2048] [--repeats 5] [--layouts smollm2,llama8b] [--json out.json]
+    python -m bench.transfer [--quick] [--tokens 2048] [--repeats 5] [--layouts smollm2,llama8b]
+        [--tp-pairs 1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1] [--tp-replicated 1:1,4:4,2:4,1:4,4:1]
+        [--json bench/results/transfer.json]
 
 Two worker processes (bench/harness/bandwidth_peers.py), a sender and a receiver, each hold a
 block-major KV pool of 2x the pushed blocks. For each layout and each descriptor
@@ -20,6 +22,22 @@ of one contiguous buffer (best); torch, torch's copy_ of that buffer (best; one-
 copy_ runs at about half of libc memcpy here, so it is shown but not used as the ceiling);
 gather, a numpy take of the same scattered source blocks into a contiguous buffer
 (median). Progress goes to stderr, the table to stdout.
+
+Between tensor-parallel workers (transfer/ranks.py): for each pair of degrees in --tp-pairs
+(sender:receiver) the sender holds a worker of the sending degree and the receiver one of
+the receiving degree, each rank's pool holding its KV heads of a SmolLM2-shaped model with
+--tp-kv-heads KV heads (--tp-replicated: pairs of a model with --tp-replicated-kv-heads,
+fewer than the largest degree, so some ranks hold the same head). Every pair pushes the same
+blocks, the model's whole KV of them, with one agent per degree on each side for the whole
+run; the pairs take turns push by push (A B C A B C), so background load falls on all
+alike, and each turn also times the same descriptors by process_vm_writev (CMA) and one
+libc memcpy of the same bytes. The last push of each pair is verified rank by rank: each
+receiving rank's target blocks against its heads' slice of the sender's full-head
+reference pool. GB/s there = the model's KV bytes pushed / seconds (a replica's bytes are
+written but not counted again).
+
+Results go to stdout and, as JSON, to --json (default bench/results/transfer.json, or
+transfer_quick.json with --quick).
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -43,6 +62,8 @@ BLOCK_SIZE = 16
 DTYPE = "bfloat16"
 START_TIMEOUT_S = 180.0  # spawn + torch/NIXL import + pool allocation on a busy 2-core machine
 CALL_TIMEOUT_S = 120.0
+RESULTS = Path(__file__).resolve().parent / "results"
+TP_SHAPE = (30, 64)  # SmolLM2-135M's layers and head_dim; the KV head count is the bench's choice
 
 
 def log(msg: str) -> None:
@@ -110,6 +131,63 @@ class Row:
         return dict(push_gbps=self.push_gbps, cma_gbps=self.cma_gbps, memcpy_gbps=self.memcpy_gbps,
                     torch_copy_gbps=self.torch_copy_gbps, gather_gbps=self.gather_gbps,
                     push_over_memcpy=self.push_gbps / self.memcpy_gbps, push_over_cma=self.push_gbps / self.cma_gbps)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """Pairs of degrees pushing one model's KV; the first pair, 1:1, is the others' baseline."""
+
+    kv_heads: int
+    pairs: tuple[tuple[int, int], ...]  # (sender degree, receiver degree)
+
+    @property
+    def label(self) -> str:
+        return f"SmolLM2 shape, {self.kv_heads} KV heads"
+
+    @property
+    def degrees(self) -> list[int]:
+        return sorted({d for pair in self.pairs for d in pair})
+
+    def kv_layout(self, num_blocks: int) -> KVLayout:
+        layers, head_dim = TP_SHAPE
+        return KVLayout(num_blocks, layers, BLOCK_SIZE, self.kv_heads, head_dim, DTYPE)
+
+
+@dataclass
+class TPRow:
+    kv_heads: int
+    src_degree: int
+    dst_degree: int
+    descriptors_per_block: int
+    num_blocks: int
+    kv_bytes: int  # the model's KV of the pushed blocks
+    written_bytes: int  # what the write moves: more than kv_bytes where receiving ranks hold replicas
+    first_push_s: float
+    push_s: list[float] = field(default_factory=list)
+    cma_s: list[float] = field(default_factory=list)
+    verified_ranks: int = 0
+
+    @property
+    def pair(self) -> str:
+        return f"{self.src_degree}:{self.dst_degree}"
+
+    @property
+    def descriptor_bytes(self) -> float:
+        return self.written_bytes / (self.num_blocks * self.descriptors_per_block)
+
+    @property
+    def push_gbps(self) -> float:
+        return self.kv_bytes / statistics.median(self.push_s) / 1e9
+
+    @property
+    def cma_gbps(self) -> float:
+        return self.kv_bytes / statistics.median(self.cma_s) / 1e9
+
+    def rates(self, base: TPRow, memcpy_s: list[float]) -> dict[str, float]:
+        memcpy_gbps = self.kv_bytes / min(memcpy_s) / 1e9
+        return dict(push_gbps=self.push_gbps, cma_gbps=self.cma_gbps, memcpy_gbps=memcpy_gbps,
+                    push_over_1to1=self.push_gbps / base.push_gbps, push_over_memcpy=self.push_gbps / memcpy_gbps,
+                    push_over_cma=self.push_gbps / self.cma_gbps, descriptor_bytes=self.descriptor_bytes)
 
 
 class Worker:
@@ -224,6 +302,70 @@ class Bench:
                                    f"(digest {got['digest']} vs {want})")
         return sent["seconds"]
 
+    def run_tp(self, group: TPGroup) -> tuple[list[TPRow], list[float]]:
+        """Every pair of `group`, push by push in turn; returns its rows and the memcpy seconds."""
+        self.incarnation += 1
+        layout = asdict(group.kv_layout(2 * self.num_blocks))
+        tag = f"{group.kv_heads}kv"
+        rx = self.receiver.call("tp_setup", START_TIMEOUT_S, layout=layout, names={
+            d: agent_name("decode", f"{tag}x{d}", self.incarnation) for d in group.degrees})
+        self.sender.call("tp_setup", START_TIMEOUT_S, layout=layout, seed=self.args.seed, names={
+            d: agent_name("prefill", f"{tag}x{d}", self.incarnation) for d in group.degrees})
+        self.sender.call("tp_connect", infos=rx["infos"], pid=rx["pid"], timeout_s=self.args.timeout)
+        kv_bytes = self.num_blocks * group.kv_layout(1).block_bytes
+        rows = []
+        for src, dst in group.pairs:
+            shape = self.sender.call("tp_pair", src=src, dst=dst)
+            written = self.num_blocks * shape["written_bytes_per_block"]
+            first = self.tp_push(src, dst, f"tp-{tag}-{src}-{dst}-warmup-{self.incarnation}", written, None)
+            rows.append(TPRow(group.kv_heads, src, dst, shape["descriptors_per_block"], self.num_blocks, kv_bytes,
+                              written, first))
+            log(f"{group.label} {src}:{dst}: {shape['descriptors_per_block']} descriptors/block, "
+                f"first push {first * 1e3:.1f} ms")
+        memcpy_s = []
+        for i in range(self.args.repeats):
+            last = i == self.args.repeats - 1
+            for row in rows:  # A B C, A B C: the pairs share whatever else the machine does
+                heads = rx["heads"][row.dst_degree] if last else None
+                row.push_s.append(self.tp_push(row.src_degree, row.dst_degree,
+                                               f"tp-{tag}-{row.pair}-{i}-{self.incarnation}", row.written_bytes, heads))
+                row.cma_s.append(self.sender.call("tp_cma", src=row.src_degree, dst=row.dst_degree, blocks=self.src,
+                                                  remote_blocks=self.dst))
+                row.verified_ranks += len(heads or ())
+            memcpy_s.append(self.sender.call("tp_memcpy", num_blocks=self.num_blocks))
+        self.sender.call("tp_teardown")
+        self.receiver.call("tp_teardown")
+        for row in rows:
+            log(f"{group.label} {row.pair}: push {row.push_gbps:.2f} GB/s ({row.push_gbps / rows[0].push_gbps:.2f}x "
+                f"1:1), CMA {row.cma_gbps:.2f}, memcpy {kv_bytes / min(memcpy_s) / 1e9:.2f}")
+        return rows, memcpy_s
+
+    def tp_push(self, src: int, dst: int, request_id: str, written_bytes: int | None,
+                heads: list[list[int]] | None) -> float:
+        """One push from the degree-`src` worker into the degree-`dst` one; returns the sender's
+        seconds. With `heads` (the receiving ranks' [start, count]), the targets are poisoned
+        first and each rank's blocks checked against its heads of the sender's reference."""
+        timeout = self.args.timeout
+        self.receiver.call("tp_expect", degree=dst, request_id=request_id, blocks=self.dst, poison=bool(heads),
+                           timeout_s=timeout)
+        sent = self.sender.call("tp_push", timeout + 30, src=src, dst=dst, request_id=request_id,
+                                chunks=self.chunks, timeout_s=timeout)
+        if not sent["ok"] or (written_bytes is not None and sent["num_bytes"] != written_bytes):
+            raise RuntimeError(f"push {request_id}: {sent['status']} ({sent['reason'] or 'no reason'}), "
+                               f"{sent['num_bytes']} of {written_bytes} bytes confirmed")
+        got = self.receiver.call("tp_wait", timeout + 30, degree=dst, request_id=request_id, blocks=self.dst,
+                                 verify=bool(heads), timeout_s=timeout)
+        if got["status"] != "complete" or got["num_blocks"] != self.num_blocks:
+            raise RuntimeError(f"push {request_id}: receiver saw {got['status']} with {got['num_blocks']} blocks, "
+                               f"expected complete with {self.num_blocks}")
+        if heads:
+            want = self.sender.call("tp_expected", heads=heads, blocks=self.src)
+            wrong = [r for r, (g, w) in enumerate(zip(got["digests"], want)) if g != w]
+            if wrong:
+                raise RuntimeError(f"push {request_id}: receiving rank(s) {wrong} do not hold their KV heads "
+                                   f"{[heads[r] for r in wrong]} of the source blocks")
+        return sent["seconds"]
+
 
 def render(args: argparse.Namespace, conditions: dict, rows: list[Row]) -> str:
     c = conditions
@@ -261,22 +403,107 @@ def render(args: argparse.Namespace, conditions: dict, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def render_tp(args: argparse.Namespace, conditions: dict,
+              groups: list[tuple[TPGroup, list[TPRow], list[float]]]) -> str:
+    c, n = conditions, args.repeats
+    lines = [
+        f"KV push between tensor-parallel workers (sender degree : receiver degree), SmolLM2 shape ({TP_SHAPE[0]} "
+        f"layers, head_dim {TP_SHAPE[1]}, blocks of {BLOCK_SIZE}, {DTYPE}): {c['blocks']} blocks, the model's whole "
+        f"KV, in {c['chunks']} chunks, scattered source and target blocks (seed {c['seed']}); one agent per degree "
+        "on each side",
+        f"push: median of {n}, the pairs taking turns push by push after one warm-up push each; GB/s = the model's "
+        f"KV bytes / seconds; CMA = process_vm_writev of the same descriptors, median of {n}; memcpy = libc memcpy "
+        f"of the same bytes, best of {n}, timed in the same turns; the last push of each pair verified rank by rank",
+        "",
+        f"{'model':<26}{'pair':>6}{'desc/block':>12}{'desc bytes':>12}{'written/KV':>12}{'push ms':>10}"
+        f"{'push GB/s':>11}{'CMA GB/s':>10}{'memcpy GB/s':>13}{'push/1:1':>10}{'push/memcpy':>13}{'first push ms':>15}",
+    ]
+    for group, rows, memcpy_s in groups:
+        for r in rows:
+            rates = r.rates(rows[0], memcpy_s)
+            lines.append(
+                f"{group.label:<26}{r.pair:>6}{r.descriptors_per_block:>12}{r.descriptor_bytes:>12.0f}"
+                f"{r.written_bytes / r.kv_bytes:>12.2f}{statistics.median(r.push_s) * 1e3:>10.2f}{r.push_gbps:>11.2f}"
+                f"{r.cma_gbps:>10.2f}{rates['memcpy_gbps']:>13.2f}{rates['push_over_1to1']:>9.3f}x"
+                f"{rates['push_over_memcpy']:>12.3f}x{r.first_push_s * 1e3:>15.1f}")
+    return "\n".join(lines)
+
+
+def _pairs(text: str, flag: str, p: argparse.ArgumentParser) -> tuple[tuple[int, int], ...]:
+    """'1:1,2:1' -> ((1, 1), (2, 1)), with 1:1 first (the baseline) and no repeats."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        try:
+            src, dst = (int(x) for x in item.split(":"))
+        except ValueError:
+            p.error(f"{flag}: {item!r} is not SENDER:RECEIVER degrees, e.g. 2:1")
+        if src < 1 or dst < 1:
+            p.error(f"{flag}: {item!r}: degrees must be at least 1")
+        pairs.append((src, dst))
+    if not pairs:
+        return ()
+    return tuple(dict.fromkeys([(1, 1), *pairs]))
+
+
+def _check_degrees(group: TPGroup, flag: str, p: argparse.ArgumentParser) -> None:
+    for d in group.degrees:  # the rule of engine/parallel/layout.py
+        if group.kv_heads % d and d % group.kv_heads:
+            p.error(f"{flag}: degree {d} neither divides {group.kv_heads} KV heads nor is a multiple of them")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=2048, help="prompt tokens pushed (blocks of 16)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs of each measurement")
+    p.add_argument("--quick", action="store_true",
+                   help="256 tokens, 2 repeats, SmolLM2 only, pairs 2:2, 2:1, 1:2 and replicated 4:1: a check, "
+                   "not figures")
+    p.add_argument("--tokens", type=int, default=None, help="prompt tokens pushed (blocks of 16; default 2048)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs of each measurement (default 5)")
     p.add_argument("--chunks", type=int, default=4, help="chunks per push; the last carries DONE")
-    p.add_argument("--layouts", default="smollm2,llama8b", help=f"comma-separated, from {', '.join(LAYOUTS)}")
+    p.add_argument("--layouts", default=None,
+                   help=f"comma-separated, from {', '.join(LAYOUTS)} (default all; '' for none)")
+    p.add_argument("--tp-pairs", default=None, help="SENDER:RECEIVER tensor-parallel degrees, comma-separated "
+                   "(default 1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1; 1:1, the baseline, is always added; '' for none)")
+    p.add_argument("--tp-kv-heads", type=int, default=4, help="KV heads of the --tp-pairs model")
+    p.add_argument("--tp-replicated", default=None, help="pairs of the --tp-replicated-kv-heads model "
+                   "(default 1:1,4:4,2:4,1:4,4:1; '' for none)")
+    p.add_argument("--tp-replicated-kv-heads", type=int, default=2,
+                   help="KV heads of the --tp-replicated model (fewer than a degree: replicas)")
     p.add_argument("--seed", type=int, default=0, help="block ids and pool contents")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one push may take before it fails")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", metavar="PATH", help="where the JSON results go (default "
+                   "bench/results/transfer.json, transfer_quick.json with --quick; '' for none)")
     args = p.parse_args(argv)
+    quick = args.quick
+    defaults = dict(tokens=256 if quick else 2048, repeats=2 if quick else 5, layouts="smollm2" if quick else
+                    "smollm2,llama8b", tp_pairs="2:2,2:1,1:2" if quick else "1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1",
+                    tp_replicated="4:1" if quick else "1:1,4:4,2:4,1:4,4:1",
+                    json=str(RESULTS / ("transfer_quick.json" if quick else "transfer.json")))
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.layouts = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in args.layouts if n not in LAYOUTS]
     if unknown:
         p.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
     if args.tokens < 1 or args.repeats < 1 or args.chunks < 1:
         p.error("--tokens, --repeats and --chunks must be at least 1")
+    args.tp_groups = []
+    for flag, heads, text in (("--tp-pairs", args.tp_kv_heads, args.tp_pairs),
+                              ("--tp-replicated", args.tp_replicated_kv_heads, args.tp_replicated)):
+        pairs = _pairs(text, flag, p)
+        if pairs:
+            if heads < 1:
+                p.error(f"{flag}: the model needs at least one KV head")
+            args.tp_groups.append(TPGroup(heads, pairs))
+            _check_degrees(args.tp_groups[-1], flag, p)
     return args
 
 
@@ -292,17 +519,29 @@ def main(argv: list[str] | None = None) -> None:
         workers.append(sender)
         bench = Bench(sender, receiver, args)
         rows = [row for name in args.layouts for row in bench.run_layout(name)]
+        tp = [(group, *bench.run_tp(group)) for group in args.tp_groups]
     finally:
         for w in reversed(workers):
             w.close()
 
     conditions = dict(tokens=args.tokens, blocks=bench.num_blocks, block_size=BLOCK_SIZE, chunks=len(bench.chunks),
                       repeats=args.repeats, seed=args.seed, dtype=DTYPE,
-                      nixl=importlib.metadata.version("nixl-cu12"), torch=importlib.metadata.version("torch"))
-    print(render(args, conditions, rows))
+                      nixl=importlib.metadata.version("nixl-cu12"), torch=importlib.metadata.version("torch"),
+                      cpu=_cpu_name())
+    if rows:
+        print(render(args, conditions, rows))
+    if tp:
+        print("\n" if rows else "", end="")
+        print(render_tp(args, conditions, tp))
     if args.json:
         payload = dict(conditions=conditions, layouts={n: asdict(LAYOUTS[n]) for n in args.layouts},
-                       rows=[dict(asdict(r), **r.rates()) for r in rows])
+                       rows=[dict(asdict(r), **r.rates()) for r in rows],
+                       tp=[dict(model=dict(label=g.label, num_layers=TP_SHAPE[0], head_dim=TP_SHAPE[1],
+                                           num_kv_heads=g.kv_heads, block_size=BLOCK_SIZE),
+                                memcpy_s=memcpy_s,
+                                rows=[dict(asdict(r), pair=r.pair, **r.rates(tp_rows[0], memcpy_s)) for r in tp_rows])
+                           for g, tp_rows, memcpy_s in tp])
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
         log(f"wrote {args.json}")

@@ -11,6 +11,12 @@ worker's loop would; the sender only acts on commands.
 Pools are block-major like engine/kv_cache.py and touched before any timing, so no
 measurement pays for page faults. Byte checks are BLAKE2 digests of the blocks in order,
 which catch a block written to the wrong place as well as a block not written at all.
+
+The `tp_*` commands hold tensor-parallel workers of several degrees at once (one agent per
+degree, each registering its degree's rank pools: transfer/ranks.py), so the coordinator
+can push between every pair of degrees in turn without new agents: the sender's pools are
+slices of one full-head reference pool, and a receiving rank is checked against its heads'
+slice of that reference.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from transfer.agent import TransferAgent
 from transfer.handshake import TransferInfo
 from transfer.layout import KVLayout, region_indices, region_table
 from transfer.push import KVPusher, PushStatus
+from transfer.ranks import block_descriptors, write_pieces
 from transfer.receive import KVReceiver
 
 MODEL = "bench-transfer"  # both sides publish the same name; only the layout matters here
@@ -74,6 +81,37 @@ def _cma_write(pid: int, local: np.ndarray, remote: np.ndarray) -> None:
             raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} bytes")
 
 
+def rank_heads(num_kv_heads: int, degree: int) -> list[range]:
+    """Each rank's KV heads at `degree`, the rule of engine/parallel/layout.py: sharded when the
+    degree divides the heads, else each head replicated on degree / heads ranks."""
+    if num_kv_heads >= degree:
+        per = num_kv_heads // degree
+        return [range(r * per, (r + 1) * per) for r in range(degree)]
+    replicas = degree // num_kv_heads
+    return [range(r // replicas, r // replicas + 1) for r in range(degree)]
+
+
+class _Ranked:
+    """One tensor-parallel worker of the bench: its rank pools and the agent registering them."""
+
+    def __init__(self, name: str, full: KVLayout, degree: int, fill: torch.Tensor | None) -> None:
+        self.heads = rank_heads(full.num_kv_heads, degree)
+        self.layout = KVLayout(full.num_blocks, full.num_layers, full.block_size, len(self.heads[0]),
+                               full.head_dim, full.dtype)
+        if degree == 1 and fill is not None:
+            self.pools = [fill]  # the reference itself
+        else:
+            self.pools = [_alloc_pool(self.layout) for _ in self.heads]
+            for pool, h in zip(self.pools, self.heads):
+                if fill is None:
+                    _rows(pool, full.num_blocks).fill(POISON)
+                else:  # as int16, so the copy keeps every bit pattern (random bytes hold NaNs)
+                    pool.view(torch.int16).copy_(fill.view(torch.int16)[..., h.start:h.stop, :])
+        self.rows = [_rows(pool, full.num_blocks) for pool in self.pools]
+        ranks = [(pool.view(-1), h) for pool, h in zip(self.pools, self.heads)] if degree > 1 else None
+        self.agent = TransferAgent(name, self.pools[0].view(-1), self.layout, MODEL, ranks=ranks)
+
+
 class _Side:
     """What both workers share: one pool per layout shape, one agent per configuration."""
 
@@ -109,6 +147,11 @@ class SenderSide(_Side):
         self.peer = ""
         self.peer_pid = 0
         self.scratch: np.ndarray | None = None
+        self.tp_workers: dict[int, _Ranked] = {}  # degree -> worker
+        self.tp_pushers: dict[int, KVPusher] = {}
+        self.tp_peers: dict[int, str] = {}  # the receiver's degree -> its agent name
+        self.tp_full: torch.Tensor | None = None  # every KV head: the reference the ranks are sliced from
+        self.tp_full_rows: np.ndarray | None = None
 
     def setup(self, name: str, layout: dict, seed: int) -> None:
         kv, fresh = self._new_agent(name, layout)
@@ -184,8 +227,96 @@ class SenderSide(_Side):
             raise RuntimeError("numpy gather produced different bytes than the source blocks")
         return timings
 
+    def tp_setup(self, names: dict[int, str], layout: dict, seed: int) -> None:
+        """One worker per degree (`names`: degree -> agent name) of the model `layout` (every
+        KV head), its pools filled from one random full-head reference pool."""
+        self.tp_teardown()
+        full = KVLayout(**layout)
+        self.tp_full = _alloc_pool(full)
+        self.tp_full_rows = _rows(self.tp_full, full.num_blocks)
+        np.random.default_rng(seed).random(out=self.tp_full_rows.view(np.float64))
+        self.tp_workers = {d: _Ranked(name, full, d, self.tp_full) for d, name in names.items()}
+        self.tp_pushers = {d: KVPusher(w.agent) for d, w in self.tp_workers.items()}
+
+    def tp_connect(self, infos: dict[int, bytes], pid: int, timeout_s: float) -> None:
+        """Every sending degree adds every receiving one (`infos`: degree -> transfer info)."""
+        self.peer_pid = pid
+        for d, info in infos.items():
+            parsed = TransferInfo.from_bytes(info)
+            for w in self.tp_workers.values():
+                self.tp_peers[d] = w.agent.add_peer(parsed)
+        for pusher in self.tp_pushers.values():
+            pusher.default_timeout_s = timeout_s
+
+    def tp_push(self, src: int, dst: int, request_id: str, chunks: list[tuple[list[int], list[int]]],
+                timeout_s: float) -> dict:
+        """`push` from the degree-`src` worker into the degree-`dst` one."""
+        self.pusher, self.peer = self.tp_pushers[src], self.tp_peers[dst]
+        try:
+            return self.push(request_id, chunks, timeout_s)
+        finally:
+            self.pusher = None
+
+    def _tp_descriptors(self, src: int, dst: int, blocks: list[int], remote_blocks: list[int]) -> np.ndarray:
+        """[n, 4] uint64 rows (local address, length, remote address, length): what a push from
+        `src` into `dst` writes, the prepped regions between one-rank workers, else the rank pieces."""
+        agent = self.tp_workers[src].agent
+        peer = agent.peer(self.tp_peers[dst]).info
+        if not agent.ranks and not peer.ranks:
+            r = agent.layout.regions_per_block
+            local = region_table(agent.pool.data_ptr(), agent.layout)[region_indices(blocks, r)]
+            remote = region_table(peer.base_addr, peer.layout)[region_indices(remote_blocks, r)]
+        else:
+            local, remote = block_descriptors(write_pieces(agent.side, peer.side), agent.side, peer.side,
+                                              blocks, remote_blocks)
+        return np.concatenate([local[:, :2], remote[:, :2]], axis=1).astype(np.uint64)
+
+    def tp_pair(self, src: int, dst: int) -> dict:
+        """Descriptors per block and bytes a block's write moves (replicas count once each)."""
+        rows = self._tp_descriptors(src, dst, [0], [0])
+        return {"descriptors_per_block": len(rows), "written_bytes_per_block": int(rows[:, 1].sum())}
+
+    def tp_cma(self, src: int, dst: int, blocks: list[int], remote_blocks: list[int]) -> float:
+        """Seconds of one process_vm_writev of the pair's descriptors: the kernel's copy of the
+        same pieces into the same target blocks, without NIXL."""
+        rows = self._tp_descriptors(src, dst, blocks, remote_blocks)
+        local, remote = np.ascontiguousarray(rows[:, :2]), np.ascontiguousarray(rows[:, 2:])
+        t0 = time.perf_counter()
+        _cma_write(self.peer_pid, local, remote)
+        return time.perf_counter() - t0
+
+    def tp_memcpy(self, num_blocks: int) -> float:
+        """Seconds of one libc memcpy of the reference pool's first `num_blocks` blocks (the
+        model's whole KV of that many blocks) into a contiguous buffer."""
+        src = self.tp_full_rows[:num_blocks]
+        if self.scratch is None or self.scratch.shape != src.shape:
+            self.scratch = np.ones(src.shape, dtype=np.uint64)  # every page touched before timing
+        t0 = time.perf_counter()
+        np.copyto(self.scratch, src)
+        return time.perf_counter() - t0
+
+    def tp_expected(self, heads: list[list[int]], blocks: list[int]) -> list[str]:
+        """Per receiving rank (`heads`: [start, count] each), the digest its target blocks must
+        have: the blocks' slice of those heads from the full-head reference, block by block."""
+        full = self.tp_full.view(torch.int16)
+        out = []
+        for start, count in heads:
+            h = hashlib.blake2b(digest_size=16)
+            for b in blocks:
+                h.update(full[b, ..., start:start + count, :].contiguous().numpy().tobytes())
+            out.append(h.hexdigest())
+        return out
+
+    def tp_teardown(self) -> None:
+        for w in self.tp_workers.values():
+            w.agent.close()
+        self.tp_workers, self.tp_pushers, self.tp_peers = {}, {}, {}
+        self.tp_full = self.tp_full_rows = self.scratch = None
+        gc.collect()
+
     def teardown(self) -> None:
         self.pusher = None
+        self.tp_teardown()
         super().teardown()
 
 
@@ -194,6 +325,8 @@ class ReceiverSide(_Side):
         super().__init__()
         self.receiver: KVReceiver | None = None
         self.events: dict[str, object] = {}
+        self.tp_workers: dict[int, _Ranked] = {}  # degree -> worker
+        self.tp_receivers: dict[int, KVReceiver] = {}
 
     def setup(self, name: str, layout: dict) -> dict:
         """Fresh agent; returns its transfer info and this process's pid (for the CMA reference)."""
@@ -209,11 +342,6 @@ class ReceiverSide(_Side):
             self.rows[np.asarray(blocks, dtype=np.intp)] = POISON
         self.receiver.expect(request_id, timeout_s=timeout_s)
 
-    def poll(self) -> None:
-        if self.receiver is not None:
-            for ev in self.receiver.poll():
-                self.events[ev.request_id] = ev
-
     def wait(self, request_id: str, blocks: list[int], verify: bool, timeout_s: float) -> dict:
         """Poll until `request_id` ends here; with `verify`, digest its target blocks."""
         deadline = time.monotonic() + timeout_s
@@ -226,8 +354,44 @@ class ReceiverSide(_Side):
         return {"status": ev.status.value, "num_blocks": ev.num_blocks,
                 "digest": _digest(self.rows, blocks) if verify else None}
 
+    def tp_setup(self, names: dict[int, str], layout: dict) -> dict:
+        """One poisoned worker per degree; returns each one's transfer info and ranks' heads."""
+        self.tp_teardown()
+        full = KVLayout(**layout)
+        self.tp_workers = {d: _Ranked(name, full, d, None) for d, name in names.items()}
+        self.tp_receivers = {d: KVReceiver(w.agent) for d, w in self.tp_workers.items()}
+        self.events.clear()
+        return {"infos": {d: w.agent.info().to_bytes() for d, w in self.tp_workers.items()}, "pid": os.getpid(),
+                "heads": {d: [[h.start, len(h)] for h in w.heads] for d, w in self.tp_workers.items()}}
+
+    def tp_expect(self, degree: int, request_id: str, blocks: list[int], poison: bool, timeout_s: float) -> None:
+        if poison:
+            for rows in self.tp_workers[degree].rows:
+                rows[np.asarray(blocks, dtype=np.intp)] = POISON
+        self.tp_receivers[degree].expect(request_id, timeout_s=timeout_s)
+
+    def tp_wait(self, degree: int, request_id: str, blocks: list[int], verify: bool, timeout_s: float) -> dict:
+        """`wait`, with one digest per rank of the degree-`degree` worker."""
+        got = self.wait(request_id, blocks, False, timeout_s)
+        got["digests"] = [_digest(rows, blocks) for rows in self.tp_workers[degree].rows] if verify else None
+        return got
+
+    def poll(self) -> None:
+        for receiver in (self.receiver, *self.tp_receivers.values()):
+            if receiver is not None:
+                for ev in receiver.poll():
+                    self.events[ev.request_id] = ev
+
+    def tp_teardown(self) -> None:
+        self.tp_receivers = {}
+        for w in self.tp_workers.values():
+            w.agent.close()
+        self.tp_workers = {}
+        gc.collect()
+
     def teardown(self) -> None:
         self.receiver = None
+        self.tp_teardown()
         super().teardown()
 
 
