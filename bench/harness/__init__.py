@@ -11,6 +11,10 @@ imports tests/):
 - transfer_peers: one real NIXL agent per spawned process, driven command by command,
   for the transfer tests.
 - bandwidth_peers: a sender and a receiver pool for `python -m bench.transfer`.
+- device_push, pd_request, device_decode, pd_report: the phases of `python -m bench.gpu_pd`
+  (KV push between two processes' pools on one device; a request served end to end over a
+  prefill and a decode worker and the gateway; decode steps and throughput on the device;
+  what it prints and its exit status).
 - tiny_models: tiny random-weight Llama-family checkpoints.
 
 Every wait here is bounded, and every process started here is stopped with its helper.
