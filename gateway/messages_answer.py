@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.chat_chunks import chat_chunks
 from gateway.errors import APIError
+from gateway.served import served_headers
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -41,8 +42,7 @@ def messages_answer(chat_answer: Response, prompt_tokens: int) -> Response:
         return chat_answer
     if chat_answer.status_code != 200:
         return chat_answer
-    served = {k: v for k, v in chat_answer.headers.items() if k.startswith("x-pdserve-")}  # gateway/served.py
-    return JSONResponse(message_of(json.loads(chat_answer.body)), headers=served)
+    return JSONResponse(message_of(json.loads(chat_answer.body)), headers=served_headers(chat_answer.headers))
 
 
 def message_of(completion: dict) -> dict:

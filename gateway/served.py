@@ -14,10 +14,14 @@ the same. Local prefill reasons (pb.LocalPrefill): no_prefill_worker, below_thre
 prefix_cache_hit, and the fallbacks of a remote prefill: send_failed, prefill_failed,
 transfer_failed, deadline, abort_unconfirmed. With n > 1 they describe the first choice; a
 replay on another decode worker after the answer began is in the trace, not the headers.
+When the first message is a remote prefill's abort that came before any KV (neither a
+prefill worker nor a local reason to say), how it was prefilled is not known:
+`x-pdserve-prefill` and the reason are left out.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.trace import SERVED_FIELDS
@@ -30,7 +34,7 @@ HEADER_PREFIX = "x-pdserve-"
 @dataclass(frozen=True)
 class Served:
     decode_worker: str
-    prefill: str | None  # "remote" or "local"; None: the decode worker did not say (one older than pb.Served)
+    prefill: str | None  # "remote" or "local"; None: not known (a worker older than pb.Served, or an abort first)
     prefill_worker: str | None = None
     kv_blocks: int | None = None
     local_prefill_reason: str | None = None
@@ -45,6 +49,8 @@ class Served:
         if s.prefill_worker:
             return cls(decode_worker, "remote", prefill_worker=s.prefill_worker, kv_blocks=s.kv_blocks,
                        cached_tokens=s.cached_prompt_tokens)
+        if s.local_prefill == pb.LOCAL_PREFILL_NONE:  # a remote prefill that ended (an abort) before any KV came
+            return cls(decode_worker, None, cached_tokens=s.cached_prompt_tokens)
         return cls(decode_worker, "local", local_prefill_reason=local_prefill_name(s.local_prefill),
                    cached_tokens=s.cached_prompt_tokens)
 
@@ -54,3 +60,9 @@ class Served:
 
     def headers(self) -> dict[str, str]:
         return {HEADER_PREFIX + name.replace("_", "-"): str(v) for name, v in self.fields().items()}
+
+
+def served_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The x-pdserve-* headers among `headers` (a chat answer's, kept by an answer that
+    rewrites it into another API's shape)."""
+    return {k: v for k, v in headers.items() if k.lower().startswith(HEADER_PREFIX)}

@@ -1,0 +1,36 @@
+"""How a request was served, from its first message (gateway/served.py), without workers:
+what the headers say of a remote prefill, a local one, and one that is not known."""
+
+from __future__ import annotations
+
+from gateway.served import Served, served_headers
+from rpc import pdserve_pb2 as pb
+
+
+def _first(**served) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse()
+    msg.served.SetInParent()  # present even when every field is its default
+    msg.served.MergeFrom(pb.Served(**served))
+    return msg
+
+
+def test_remote_and_local_prefills_say_so():
+    remote = Served.of("d:1", _first(prefill_worker="p:1", kv_blocks=3, cached_prompt_tokens=16)).headers()
+    assert remote == {"x-pdserve-decode-worker": "d:1", "x-pdserve-prefill": "remote",
+                      "x-pdserve-prefill-worker": "p:1", "x-pdserve-kv-blocks": "3", "x-pdserve-cached-tokens": "16"}
+    local = Served.of("d:1", _first(local_prefill=pb.LOCAL_PREFILL_BELOW_THRESHOLD)).headers()
+    assert local == {"x-pdserve-decode-worker": "d:1", "x-pdserve-prefill": "local",
+                     "x-pdserve-local-prefill-reason": "below_threshold", "x-pdserve-cached-tokens": "0"}
+
+
+def test_an_abort_before_any_kv_does_not_claim_a_local_prefill():
+    """A remote prefill aborted before its KV came: no prefill worker, no local reason. How
+    it was prefilled is not known, and the headers leave it out rather than say local."""
+    headers = Served.of("d:1", _first()).headers()
+    assert headers == {"x-pdserve-decode-worker": "d:1", "x-pdserve-cached-tokens": "0"}
+    assert Served.of("d:1", pb.GenerateResponse()).headers() == {"x-pdserve-decode-worker": "d:1"}  # an older worker
+
+
+def test_an_answer_rewritten_keeps_only_the_served_headers():
+    assert served_headers({"x-pdserve-prefill": "remote", "content-type": "text/event-stream",
+                           "x-request-id": "r1"}) == {"x-pdserve-prefill": "remote"}
