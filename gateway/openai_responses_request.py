@@ -25,6 +25,7 @@ output items after them (gateway/openai_responses_store.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from pydantic import ValidationError
@@ -49,9 +50,11 @@ from gateway.protocol import (
 from gateway.tools import FunctionSpec, NamedToolChoice, Tool
 from gateway.tools import NamedFunction as ChatNamedFunction
 
-# The chat path's parameter names where the Responses API has its own: an APIError the chat
-# path raises is said in the Responses API's words (responses_error).
+# The chat path's parameter names where the Responses API has its own: an error the chat
+# request or path raises is said in the Responses API's words (responses_name).
 _PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+# A leading chat parameter name in an error's message (`messages.3.content: ...`).
+_LEADING_NAME = re.compile(r"^[A-Za-z_]+(?:\.[A-Za-z0-9_]+)*")
 
 
 def chat_request(body: ResponsesRequest, history: Sequence[ChatMessage]) -> tuple[ChatCompletionRequest,
@@ -72,8 +75,7 @@ def chat_request(body: ResponsesRequest, history: Sequence[ChatMessage]) -> tupl
             tools=[Tool(type="function", function=_function(t)) for t in body.tools] if body.tools else None,
             tool_choice=_tool_choice(body.tool_choice), parallel_tool_calls=body.parallel_tool_calls)
     except ValidationError as e:
-        error = e.errors()[0]
-        raise APIError(400, f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from None
+        raise invalid_chat_request(e) from None
     return chat, conversation
 
 
@@ -97,19 +99,48 @@ def item_messages(items: Sequence[Message | FunctionCall | FunctionCallOutput]) 
     return out
 
 
+def responses_name(chat_name: str) -> str:
+    """A chat request's parameter (dotted, as an error names it) as the Responses API names
+    it: `max_tokens` max_output_tokens, `response_format.json_schema.name` text.format.name
+    and `tools.0.function.name` tools.0.name (flat, as the Responses API's are), and any of
+    `messages` input (a message's index counts the instructions and the stored history, and
+    function calls join the message before them: it is no index into `input`)."""
+    head, *rest = chat_name.split(".")
+    if head == "messages":
+        return "input"
+    if head == "tools" and rest[1:2] == ["function"]:
+        del rest[1]
+    if head == "response_format" and rest[:1] == ["json_schema"]:
+        del rest[0]
+    return ".".join([_PARAMS.get(head, head), *rest])
+
+
+def invalid_chat_request(e: ValidationError) -> APIError:
+    """A 400 for the chat request a Responses request made, naming the Responses field."""
+    error = e.errors()[0]
+    param = responses_name(".".join(map(str, error["loc"])))
+    return APIError(400, f"{param}: {error['msg']}", param)
+
+
 def responses_error(e: APIError) -> APIError:
     """An APIError of the chat path's, naming the Responses API's parameter where it has
-    its own name for it (max_output_tokens for max_tokens, ...)."""
-    param = _PARAMS.get(e.param or "")
-    if param is None:
+    its own name for it, in its `param` and its message (max_output_tokens for max_tokens,
+    input for messages, ...)."""
+    if e.param is None or (param := responses_name(e.param)) == e.param:
         return e
-    message = e.message.replace(e.param, param) if e.param != "messages" else e.message
+    message = e.message
+    leading = _LEADING_NAME.match(message)
+    if leading and leading.group().partition(".")[0] == e.param.partition(".")[0]:  # "messages.3.content: ..."
+        message = responses_name(leading.group()) + message[leading.end():]
+    for chat, ours in _PARAMS.items():  # elsewhere only the names no other word is: max_tokens, response_format
+        if chat != "messages":
+            message = re.sub(rf"\b{chat}\b", ours, message)
     return APIError(e.status, message, param, e.code, e.headers, e.reason)
 
 
 def _refuse_unserved(body: ResponsesRequest) -> None:
     """A 400 naming the first field set that this server does not serve."""
-    if body.reasoning:
+    if body.reasoning and any(v is not None for v in body.reasoning.values()):  # {} or {"effort": null}: none asked
         raise APIError(400, "reasoning: this model does not reason (no reasoning effort or summary to set)",
                        "reasoning")
     if body.background:
