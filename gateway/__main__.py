@@ -77,9 +77,9 @@ def main() -> None:
                     help="seconds a connection has to deliver a whole request head (from opening, or from the "
                          "end of its last response) before a 408 and close")
     ap.add_argument("--response-store-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                    help="bytes of stored responses kept for previous_response_id, oldest dropped first; one "
-                         "bound for all the --processes, which may pass it by an eighth (default 64 MiB; 0: none "
-                         "stored)")
+                    help="bytes of stored responses kept for previous_response_id, the oldest of the tenant "
+                         "holding the most dropped first; one bound for all the --processes, which may pass it by "
+                         "an eighth (default 64 MiB; 0: none stored)")
     ap.add_argument("--response-store-ttl", type=float, default=DEFAULT_MAX_AGE_S,
                     help="seconds a stored response is kept (default one hour)")
     ap.add_argument("--admin-port", type=int, default=0,

@@ -43,7 +43,8 @@ from gateway.openai_responses_answer import responses_answer
 from gateway.openai_responses_protocol import ResponsesRequest
 from gateway.openai_responses_request import chat_request as responses_chat_request
 from gateway.openai_responses_request import responses_error
-from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, open_store
+from gateway.openai_responses_folder_store import FolderStore
+from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, MemoryStore
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
@@ -95,8 +96,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
     path = RequestPath(config, router, backend, admission, tokenizer)
-    response_store = open_store(config.response_store_bytes, config.response_store_ttl_s,
-                                config.response_store_folder, config.processes)
+    # A lone process keeps stored responses in its memory, the processes of one gateway in their shared folder
+    response_store = (MemoryStore(config.response_store_bytes, config.response_store_ttl_s)
+                      if config.response_store_folder is None else
+                      FolderStore(config.response_store_folder, config.response_store_bytes,
+                                  config.response_store_ttl_s, config.processes))
     controller_metrics: list[tuple[str, str]] = []  # the deploy controller's (incarnation, exposition), as of its last push
 
     @asynccontextmanager
@@ -195,22 +199,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """OpenAI's Responses API: the chat request it means (gateway/openai_responses_request.py)
         on the chat path, its answer as a response (gateway/openai_responses_answer.py)."""
         tenant = _tenant(request)
-        chat_body, conversation = responses_chat_request(body, response_store.history(tenant.name,
-                                                                                      body.previous_response_id))
+        history = await response_store.history(tenant.name, body.previous_response_id)
+        chat_body, conversation = responses_chat_request(body, history)
         try:
             prompt, tools = await _chat_prompt(chat_body, tenant)
             answer = await path.serve("chat", chat_body, prompt, tenant, request, tools)
         except APIError as e:
             raise responses_error(e) from None
         keep = response_store.keeper(tenant.name, conversation) if body.store else None
-        return responses_answer(answer, body, keep)
+        return await responses_answer(answer, body, keep)
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> dict:
-        entry = response_store.get(_tenant(request).name, response_id)
-        if entry is None:
-            raise APIError(404, f"response {response_id!r} not found", "response_id")
-        return entry.response
+        """A stored response of the tenant's: 404 as an unknown one, 400 when none are stored."""
+        return (await response_store.find(_tenant(request).name, response_id, "response_id")).response
 
     async def _chat_prompt(body: ChatCompletionRequest, tenant: Tenant) -> tuple[list[int], ToolPlan | None]:
         """A chat request's prompt token ids and how it uses its tools, or the APIError that

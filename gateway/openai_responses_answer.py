@@ -1,6 +1,6 @@
 """The chat path's answer as a Responses API `response`, or its stream of typed events.
 
-    answer = responses_answer(chat_answer, body, keep)   # the Response gateway/request_path.py returned
+    answer = await responses_answer(chat_answer, body, keep)   # the Response gateway/request_path.py returned
 
 A whole chat.completion becomes one response, its id the chat request's (what the logs,
 `pdserve trace` and X-Request-Id name): its text one `message` output item (one
@@ -23,8 +23,8 @@ whole) and `.done`, `response.output_item.done`; last `response.completed` (or
 `response.incomplete`) with the whole response. A failure mid-stream is `response.failed` (OpenAI's `error` event before
 `response.created`).
 
-`keep(response)`, when given, is called with a finished response (completed or incomplete)
-as it is sent: the store's (gateway/openai_responses_store.py).
+`await keep(response)`, when given, stores a finished response (completed or incomplete)
+before it is sent: the store's (gateway/openai_responses_store.py).
 """
 
 from __future__ import annotations
@@ -32,21 +32,20 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.chat_chunks import chat_chunks
 from gateway.errors import APIError
 from gateway.openai_responses_protocol import NamedFunction, ResponsesRequest
-from gateway.served import HEADER_PREFIX
+from gateway.openai_responses_store import Keep
+from gateway.served import served_headers
 
 _FINISHED = ("stop", "length", "tool_calls")
 
-Keep = Callable[[dict], None] | None
 
-
-def responses_answer(chat_answer: Response, body: ResponsesRequest, keep: Keep = None) -> Response:
+async def responses_answer(chat_answer: Response, body: ResponsesRequest, keep: Keep | None = None) -> Response:
     """OpenAI's response in place of the chat path's: streamed, whole, or (an error, or a
     client that left: nobody reads it) as it is."""
     if isinstance(chat_answer, StreamingResponse):
@@ -61,8 +60,8 @@ def responses_answer(chat_answer: Response, body: ResponsesRequest, keep: Keep =
     response = finished(envelope(body, completion["id"], completion["created"]), choice["message"].get("content"),
                         choice["message"].get("tool_calls") or [], choice["finish_reason"], completion["usage"])
     if keep is not None:
-        keep(response)
-    return JSONResponse(response, headers={k: v for k, v in chat_answer.headers.items() if k.startswith(HEADER_PREFIX)})
+        await keep(response)
+    return JSONResponse(response, headers=served_headers(chat_answer.headers))
 
 
 def envelope(body: ResponsesRequest, rid: str, created_at: int) -> dict:
@@ -122,7 +121,7 @@ def _unfinished(finish_reason: str | None) -> str:
     return f"the generation ended without finishing ({finish_reason})"
 
 
-async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, keep: Keep = None
+async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, keep: Keep | None = None
                           ) -> AsyncIterator[bytes]:
     """A streamed chat answer's SSE chunks (its usage included) as OpenAI's Responses events.
     Closing this closes the chat answer's stream."""
@@ -176,7 +175,7 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
             yield event
     response = finished(base, text, calls, finish, usage)
     if keep is not None:
-        keep(response)
+        await keep(response)  # stored before the client hears it is finished, so it may chain to it at once
     yield events.emit("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                       response=response)
 

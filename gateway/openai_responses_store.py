@@ -1,48 +1,45 @@
 """Stored responses (`store: true`), for `previous_response_id` and `GET /v1/responses/{id}`.
 
-    store = open_store(max_bytes, max_age_s, folder, processes)  # max_bytes 0: nothing is stored
-    history = store.history(tenant, previous_id)       # the conversation to continue, or 400 / 404
-    keep = store.keeper(tenant, conversation)          # keep(response) stores a finished answer
+    store = MemoryStore(max_bytes, max_age_s)          # or FolderStore (openai_responses_folder_store.py)
+    history = await store.history(tenant, previous_id) # the conversation to continue, or 400 / 404
+    entry = await store.find(tenant, response_id)      # GET: the entry, or 400 / 404
+    keep = store.keeper(tenant, conversation)          # await keep(response) stores a finished answer
 
 Each entry keeps the answer as it was sent and the conversation up to it as chat messages
 (the input's, then the output's), so a request naming it continues exactly that. Entries
 are keyed by tenant and id: another tenant's id is not found (a 404, as an unknown or
 expired one), never served. The store is bounded twice: an entry older than `max_age_s` is
-not found, and past `max_bytes` (each entry counted as its JSON, its whole conversation
-included) the oldest go first.
+not found, and the entries' bytes (each counted as its JSON, its whole conversation
+included) are kept within `max_bytes` (0: nothing is stored).
+
+Which entries go when the bytes are over: the oldest of the tenant that holds the most
+bytes, then again, until they are within. So tenants share the bound fairly without a
+setting of their own: a tenant that holds no more than its share (max_bytes / the tenants
+holding entries) never loses an entry to another's writes (when the total is over, the one
+that holds the most holds more than the share), a tenant that writes past its share evicts
+its own oldest entries, and a lone tenant (a gateway without API keys) may use it all.
 
 One interface, two backings, as the gateway runs:
 
 - `MemoryStore`, a lone gateway process (`--processes 1`): the entries in its memory. It
   has no folder to share, and needs none; a restart forgets them all.
-- `FolderStore`, the processes of one gateway (`--processes N`): one file per entry in the
-  front process's shared folder (`responses/`, gateway/processes.py), so a
-  `previous_response_id` or a GET finds its entry whichever process the kernel hands the
-  connection to, and a child restarted after a crash finds them too. The folder is removed
-  when the front process ends: a restart of the gateway forgets them all, as a lone one's.
-  Files rather than shared memory: an entry is written once and read a few times, a file
-  is written whole under a temporary name and renamed (a reader sees it whole or not at
-  all, as gateway/shared_membership.py's push), and a read of a page-cached file costs
-  about what parsing the request's JSON does.
+- `FolderStore` (gateway/openai_responses_folder_store.py), the processes of one gateway
+  (`--processes N`): one file per entry in the front process's shared folder.
 
-Why not the folder store alone: a lone process has no shared folder, and one it made for
-itself would outlive it when it is killed (the front process removes its children's), and
-memory loses nothing such a folder would keep: either is gone when the process ends.
+`put` and `get` are the backing's, called as they are by a script or a test; the gateway's
+event loop calls them through `store` and `fetch` (and `history`, `find`, the keeper),
+which a backing doing file I/O runs on a thread.
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import json
 import logging
-import os
 import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from gateway.errors import APIError
 from gateway.openai_responses_protocol import FunctionCall, Message
@@ -53,10 +50,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 << 20
 DEFAULT_MAX_AGE_S = 3600.0
-# Each process of a folder store looks over the folder every max_bytes / (OVERSHOOT x
-# processes) bytes it writes: together they pass the bound by about max_bytes / OVERSHOOT
-# at most (FolderStore's docstring).
-OVERSHOOT = 8
+
+Keep = Callable[[dict], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class StoredResponse:
 
 class ResponseStore(ABC):
     """Stored answers by tenant and id, bounded by age and bytes; `put` and `get` are the
-    backing's, what a request asks of it (`history`, `keeper`) is the same for both."""
+    backing's, what a request asks of it (`history`, `find`, `keeper`) is the same for both."""
 
     def __init__(self, max_bytes: int, max_age_s: float):
         self.max_bytes, self.max_age_s = max_bytes, max_age_s
@@ -92,50 +87,57 @@ class ResponseStore(ABC):
     def size(self) -> int:
         """The bytes the entries hold now, as the bound counts them."""
 
-    def history(self, tenant: str, previous_id: str | None) -> tuple[ChatMessage, ...]:
-        """The conversation `previous_id` ends (none without one); APIError 400 when nothing
-        is stored, 404 when it is not `tenant`'s or no longer kept."""
+    async def store(self, tenant: str, response: dict, messages: Sequence[ChatMessage]) -> bool:
+        """`put`, from the event loop (a backing doing file I/O does it on a thread)."""
+        return self.put(tenant, response, messages)
+
+    async def fetch(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """`get`, from the event loop (a backing doing file I/O does it on a thread)."""
+        return self.get(tenant, response_id)
+
+    async def find(self, tenant: str, response_id: str, param: str) -> StoredResponse:
+        """`tenant`'s entry of that id; APIError naming `param`: 400 when nothing is stored,
+        404 when it is not `tenant`'s or no longer kept."""
+        if not self.enabled:
+            raise APIError(400, f"{param}: this server stores no responses (--response-store-bytes 0); "
+                                "send the conversation's items as input instead", param)
+        entry = await self.fetch(tenant, response_id)
+        if entry is None:
+            raise APIError(404, f"{param}: response {response_id!r} not found", param)
+        return entry
+
+    async def history(self, tenant: str, previous_id: str | None) -> tuple[ChatMessage, ...]:
+        """The conversation `previous_id` ends (none without one); APIError as `find`."""
         if previous_id is None:
             return ()
-        if not self.enabled:
-            raise APIError(400, "previous_response_id: this server stores no responses (--response-store-bytes 0); "
-                                "send the conversation's items as input instead", "previous_response_id")
-        entry = self.get(tenant, previous_id)
-        if entry is None:
-            raise APIError(404, f"previous_response_id: response {previous_id!r} not found", "previous_response_id")
-        return entry.messages
+        return (await self.find(tenant, previous_id, "previous_response_id")).messages
 
-    def keeper(self, tenant: str, conversation: Sequence[ChatMessage]) -> Callable[[dict], None] | None:
+    def keeper(self, tenant: str, conversation: Sequence[ChatMessage]) -> Keep | None:
         """What stores an answer to `conversation` once it is finished (None: nothing is stored)."""
         if not self.enabled:
             return None
 
-        def keep(response: dict) -> None:
-            self.put(tenant, response, [*conversation, *item_messages(_output_items(response))])
+        async def keep(response: dict) -> None:
+            await self.store(tenant, response, [*conversation, *item_messages(_output_items(response))])
         return keep
 
-    def _too_big(self, response: dict, size: int) -> bool:
+    def too_big(self, response: dict, size: int) -> bool:
         if size <= self.max_bytes:
             return False
         log.info("response %s not stored: %d bytes is over the store's %d", response["id"], size, self.max_bytes)
         return True
 
 
-def open_store(max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S, folder: Path | None = None,
-               processes: int = 1) -> ResponseStore:
-    """The store of a gateway process: in the shared `folder` of `processes` gateway
-    processes, or (None) in this process's memory."""
-    return MemoryStore(max_bytes, max_age_s) if folder is None else FolderStore(folder, max_bytes, max_age_s, processes)
-
-
 class MemoryStore(ResponseStore):
-    """The entries in this process's memory, oldest first; the bounds hold exactly."""
+    """The entries in this process's memory, each tenant's oldest first; the bounds hold
+    exactly."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic):
         super().__init__(max_bytes, max_age_s)
         self._clock = clock
-        self._entries: OrderedDict[tuple[str, str], StoredResponse] = OrderedDict()  # oldest first
+        self._tenants: dict[str, OrderedDict[str, StoredResponse]] = {}  # each oldest first
+        self._held: dict[str, int] = {}  # bytes by tenant
         self._size = 0
 
     @property
@@ -143,165 +145,46 @@ class MemoryStore(ResponseStore):
         return self._size
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(map(len, self._tenants.values()))
 
     def put(self, tenant: str, response: dict, messages: Sequence[ChatMessage]) -> bool:
-        size = len(_encode(tenant, response, messages))
-        if self._too_big(response, size):
+        size = len(encode(tenant, response, messages))
+        if self.too_big(response, size):
             return False
-        key = (tenant, response["id"])
-        old = self._entries.pop(key, None)
-        self._size -= old.size if old else 0
-        self._entries[key] = StoredResponse(response, tuple(messages), size, self._clock())
+        self._remove(tenant, response["id"])  # a new one of the same id is the newest
+        self._tenants.setdefault(tenant, OrderedDict())[response["id"]] = StoredResponse(
+            response, tuple(messages), size, self._clock())
+        self._held[tenant] = self._held.get(tenant, 0) + size
         self._size += size
         self._evict()
         return True
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         self._evict()
-        return self._entries.get((tenant, response_id))
+        return self._tenants.get(tenant, {}).get(response_id)
 
     def _evict(self) -> None:
+        """What is past its age; then, while over max_bytes, the largest holder's oldest."""
         oldest_kept = self._clock() - self.max_age_s
-        while self._entries:
-            key, entry = next(iter(self._entries.items()))
-            if entry.at >= oldest_kept and self._size <= self.max_bytes:
-                return
-            del self._entries[key]
-            self._size -= entry.size
+        for tenant, entries in list(self._tenants.items()):
+            while entries and next(iter(entries.values())).at < oldest_kept:
+                self._remove(tenant, next(iter(entries)))
+        while self._size > self.max_bytes:
+            tenant = max(self._held, key=self._held.__getitem__)
+            self._remove(tenant, next(iter(self._tenants[tenant])))
 
-
-class FolderStore(ResponseStore):
-    """One file per entry in `folder`, shared by the `processes` gateway processes of one
-    gateway, each with a store of its own over it.
-
-    An entry's file is named by a hash of its tenant and id (a name no request can steer
-    out of the folder, and another tenant's id names another file), holds both (checked
-    as it is read: a 404 either way), is written under a temporary name and renamed (a
-    reader sees it whole or not at all), readable by this user alone (0600, in the
-    folder's 0700), and its modification time is when it was stored: one clock, the
-    wall clock, for every process.
-
-    Age holds exactly: an entry is found only while younger than `max_age_s`. Bytes hold
-    within 1/OVERSHOOT: rather than a scan of the folder at every write, each process looks
-    over it once it has written max_bytes / (OVERSHOOT x processes) since it last did,
-    removing what is past its age, then the oldest until the files' bytes are within
-    max_bytes. So between its looks each process adds less than that share (and its last
-    entry), and the folder holds at most about max_bytes x (1 + 1/OVERSHOOT). A look is a
-    directory scan (at 64 MiB of 5 KB entries, 13,000 files, tens of milliseconds), on a
-    thread: once every 2 MiB a process stores, with 4 processes. An expired entry's file
-    stays until a look, within that bound.
-    """
-
-    def __init__(self, folder: Path, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S,
-                 processes: int = 1, clock: Callable[[], float] = time.time):
-        super().__init__(max_bytes, max_age_s)
-        self.folder, self._clock = Path(folder), clock
-        self._look_every = max(1, max_bytes // (OVERSHOOT * processes))
-        self._written = 0  # bytes this process stored since its last look over the folder
-        self._looking = False  # a look is under way, on a thread
-
-    @property
-    def size(self) -> int:
-        return sum(size for _, size, _ in self._files())
-
-    def __len__(self) -> int:
-        return len(self._files())
-
-    def put(self, tenant: str, response: dict, messages: Sequence[ChatMessage]) -> bool:
-        data = _encode(tenant, response, messages)
-        if self._too_big(response, len(data)):
-            return False
-        path = self._path(tenant, response["id"])
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        now = self._clock()
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with open(fd, "wb") as f:
-                f.write(data)
-            os.utime(tmp, (now, now))
-            os.replace(tmp, path)
-        except OSError as e:  # e.g. the disk is full: the answer is sent all the same, and not kept
-            log.warning("response %s not stored: %s", response["id"], e)
-            tmp.unlink(missing_ok=True)
-            return False
-        self._written += len(data)
-        if self._written >= self._look_every and not self._looking:
-            self._written = 0
-            self._look()
-        return True
-
-    def _look(self) -> None:
-        """`_evict`, off the event loop when there is one: a scan of thousands of files takes
-        tens of milliseconds, which every stream this process serves would wait."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop (a script, a test): at once
-            self._evict()
+    def _remove(self, tenant: str, response_id: str) -> None:
+        entries = self._tenants.get(tenant, {})
+        entry = entries.pop(response_id, None)
+        if entry is None:
             return
-        self._looking = True
-        loop.run_in_executor(None, self._evict).add_done_callback(self._looked)
-
-    def _looked(self, done: asyncio.Future) -> None:
-        self._looking = False
-        if not done.cancelled() and done.exception() is not None:
-            log.error("looking over the stored responses failed", exc_info=done.exception())
-
-    def get(self, tenant: str, response_id: str) -> StoredResponse | None:
-        try:
-            with open(self._path(tenant, response_id), "rb") as f:
-                at = os.fstat(f.fileno()).st_mtime
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        if at < self._clock() - self.max_age_s:
-            return None
-        entry = json.loads(data)
-        if (entry["tenant"], entry["id"]) != (tenant, response_id):  # two keys of one hash: not this one
-            return None
-        return StoredResponse(entry["response"], tuple(ChatMessage.model_validate(m) for m in entry["messages"]),
-                              len(data), at)
-
-    def _path(self, tenant: str, response_id: str) -> Path:
-        return self.folder / f"{hashlib.sha256(json.dumps([tenant, response_id]).encode()).hexdigest()}.json"
-
-    def _files(self) -> list[tuple[float, int, str]]:
-        """(mtime, bytes, path) of every file in the folder, a write under way included."""
-        files = []
-        with os.scandir(self.folder) as entries:
-            for entry in entries:
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:  # removed meanwhile, by another process's look
-                    continue
-                files.append((st.st_mtime, st.st_size, entry.path))
-        return files
-
-    def _evict(self) -> None:
-        """What is past its age, then the oldest until the folder is within max_bytes."""
-        oldest_kept = self._clock() - self.max_age_s
-        kept, total = [], 0
-        for mtime, size, path in self._files():
-            if mtime < oldest_kept:
-                _remove(path)
-            else:
-                kept.append((mtime, size, path))
-                total += size
-        for _, size, path in sorted(kept):
-            if total <= self.max_bytes:
-                return
-            _remove(path)
-            total -= size
+        self._size -= entry.size
+        self._held[tenant] -= entry.size
+        if not entries:
+            del self._tenants[tenant], self._held[tenant]
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:  # another process's look removed it first
-        pass
-
-
-def _encode(tenant: str, response: dict, messages: Sequence[ChatMessage]) -> bytes:
+def encode(tenant: str, response: dict, messages: Sequence[ChatMessage]) -> bytes:
     """An entry as its bytes: what a folder store's file holds, and what either bound counts."""
     return json.dumps({"tenant": tenant, "id": response["id"], "response": response,
                        "messages": [m.model_dump(exclude_none=True) for m in messages]}).encode()

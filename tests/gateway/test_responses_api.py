@@ -5,14 +5,13 @@ structured output parsed into a pydantic model, a function tool round trip (thro
 `previous_response_id` and with the items sent back, alike), `max_output_tokens` making an
 answer incomplete, refusals naming their field, stored responses kept apart per tenant and
 found by every process of a gateway that runs two, and a client leaving mid-stream giving
-its slot and KV back as on the chat path."""
+its slot and KV back as on the chat path. The translation, the events and the store
+without a gateway: test_openai_responses_{request,answer,store}.py."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import os
 import re
 import socket
 import subprocess
@@ -28,11 +27,6 @@ from pydantic import BaseModel, Field
 
 from bench.harness.gateway_procs import data_lines, gateway, serving_process
 from bench.harness.worker_procs import wait_idle, wait_until
-from gateway.errors import APIError
-from gateway.openai_responses_protocol import ResponsesRequest
-from gateway.openai_responses_request import chat_request
-from gateway.openai_responses_store import FolderStore, MemoryStore, open_store
-from gateway.protocol import ChatMessage
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -44,102 +38,6 @@ CONVERSATION = [{"role": "user", "content": "Name a fruit."}, {"role": "assistan
                 {"role": "user", "content": "Name another one, and say why you like it."}]
 TEXT_EVENTS = ["response.output_item.added", "response.content_part.added"]
 TEXT_DONE = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
-
-
-def test_input_items_become_chat_messages_in_order():
-    body = ResponsesRequest.model_validate({
-        "model": "smollm2", "instructions": "Be brief.", "max_output_tokens": 8, "stream": True, "seed": 7,
-        "input": [
-            {"role": "developer", "content": [{"type": "input_text", "text": "Use "},
-                                              {"type": "input_text", "text": "tools."}]},
-            {"type": "message", "role": "user", "content": "Weather?"},
-            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
-             "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
-            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
-            {"type": "function_call_output", "call_id": "c1", "output": "21C"},
-            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "25C"}]},
-            {"role": "user", "content": "Thanks"}],
-        "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}, "parallel_tool_calls": False})
-    earlier = [ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hello.")]
-    chat, conversation = chat_request(body, earlier)
-    assert [(m.role, m.text(), m.tool_call_id) for m in chat.messages] == [
-        ("system", "Be brief.", None), ("user", "Hi", None), ("assistant", "Hello.", None),
-        ("developer", "Use tools.", None), ("user", "Weather?", None), ("assistant", "Checking.", None),
-        ("tool", "21C", "c1"), ("tool", "25C", "c2"), ("user", "Thanks", None)]
-    assert [c["id"] for c in chat.messages[5].tool_calls] == ["c1", "c2"]
-    assert chat.messages[5].tool_calls[1]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
-    assert conversation == chat.messages[1:]  # what a stored answer keeps: all but the instructions
-    assert chat.tool_choice.function.name == "get_weather" and chat.parallel_tool_calls is False
-    assert chat.tools[0].function.parameters == WEATHER and chat.tools[0].function.strict is True
-    assert chat.max_tokens == 8 and chat.seed == 7 and chat.stream and chat.stream_options.include_usage
-    schema = {"type": "json_schema", "name": "city", "schema": WEATHER, "strict": True}
-    chat, _ = chat_request(ResponsesRequest.model_validate({"model": "smollm2", "input": "Paris?",
-                                                            "text": {"format": schema}}), ())
-    assert [(m.role, m.text()) for m in chat.messages] == [("user", "Paris?")]
-    assert chat.response_format.json_schema.schema_ == WEATHER and chat.response_format.json_schema.strict
-
-
-BACKINGS = {"memory": lambda folder, clock: MemoryStore(2000, 60, clock),
-            "folder": lambda folder, clock: FolderStore(folder, 2000, 60, clock=clock)}
-
-
-@pytest.mark.parametrize("backing", BACKINGS)
-def test_the_store_keeps_tenants_apart_and_bounds_age_and_size(backing, tmp_path):
-    now = [0.0]
-    store = BACKINGS[backing](tmp_path, lambda: now[0])
-    said = [ChatMessage(role="user", content="x" * 400)]
-    for i in range(3):
-        assert store.put("a", {"id": f"r{i}", "output": []}, said)
-        now[0] += 10
-    assert store.get("b", "r0") is None and store.get("a", "r0").messages == tuple(said)
-    with pytest.raises(APIError) as e:
-        store.history("b", "r0")  # another tenant's id is one it cannot know of
-    assert e.value.status == 404
-    store.put("a", {"id": "r3", "output": []}, said * 2)  # past 2000 bytes: the oldest goes
-    assert store.get("a", "r0") is None and store.get("a", "r1") is not None and store.size <= 2000
-    assert not store.put("a", {"id": "big", "output": []}, said * 6)  # alone over the bound: not kept
-    now[0] += 45  # r1 (stored at 10) is past 60 s old, r2 (at 20) is not
-    assert store.get("a", "r1") is None and store.get("a", "r2") is not None
-    off = open_store(max_bytes=0)
-    assert off.keeper("a", said) is None and off.history("a", None) == ()
-    with pytest.raises(APIError) as e:
-        off.history("a", "r2")
-    assert e.value.status == 400 and e.value.param == "previous_response_id"
-
-
-def test_a_folder_store_is_shared_by_processes_within_one_bound(tmp_path):
-    """Two processes' stores over one folder (as two gateway processes have): each finds
-    what the other stored, for its tenant only, in files of this user alone; an id is no
-    path out of the folder; and however the writes alternate, the folder stays within the
-    bound plus an eighth (each process looking over it on a thread), the oldest gone first."""
-    folder = tmp_path / "responses"
-    folder.mkdir()
-    first, second = (open_store(20_000, 60, folder, processes=2) for _ in range(2))
-    said = [ChatMessage(role="user", content="y" * 300)]
-    assert first.put("a", {"id": "r0", "output": []}, said)
-    assert second.get("a", "r0").messages == tuple(said) and second.history("a", "r0") == tuple(said)
-    assert second.get("b", "r0") is None and first.get("b", "r0") is None
-    (name,) = os.listdir(folder)
-    assert (folder / name).stat().st_mode & 0o777 == 0o600 and "r0" not in name
-    for escape in ("../r0", "/etc/passwd", "..", "r0/../r0"):
-        assert first.put("a", {"id": escape, "output": []}, said) and first.get("a", escape) is not None
-    assert sorted(p.parent for p in tmp_path.rglob("*") if p.is_file()) == [folder] * 5
-    sizes = []
-
-    async def serving():  # as in a gateway process: each look over the folder on a thread of the loop's
-        for i in range(200):
-            store = (first, second)[i % 2]
-            assert store.put("a", {"id": f"n{i}", "output": []}, said)
-            while store._looking:
-                await asyncio.sleep(0.001)
-            sizes.append(first.size)
-
-    asyncio.run(serving())
-    entry = first.get("a", "n199").size
-    assert max(sizes) <= 20_000 * 9 / 8 + entry and sizes[-1] <= 20_000 * 9 / 8, max(sizes)
-    assert first.get("a", "n199") and second.get("a", "n198") and first.get("a", "n100") is None
-    assert second.get("a", "r0") is None  # the oldest went first
 
 
 def test_create_and_stream_agree(client):
