@@ -20,8 +20,11 @@ per chunk, then `response.output_text.done`, `response.content_part.done`,
 `response.output_item.done`; for each call `response.output_item.added`,
 `response.function_call_arguments.delta` (the whole arguments: the chat path sends each call
 whole) and `.done`, `response.output_item.done`; last `response.completed` (or
-`response.incomplete`) with the whole response. A failure mid-stream is `response.failed` (OpenAI's `error` event before
-`response.created`).
+`response.incomplete`) with the whole response. A failure mid-stream (an error, a finish
+reason that is none of those, or a chat stream that ends before its finish reason and
+usage) is `response.failed`, after the open text part and message item are done (status
+`incomplete`), its `output` the items sent so far; OpenAI's `error` event before
+`response.created`. So every stream that began ends in one of the three.
 
 `await keep(response)`, when given, stores a finished response (completed or incomplete)
 before it is sent: the store's (gateway/openai_responses_store.py).
@@ -128,13 +131,15 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
     events = _Events()
     base = None
     text, calls, finish, usage = None, [], None, None  # text: None until the message item opens
+    message_open = False  # its part and item are added and not yet done
+    failure = "the answer's stream ended before it finished"  # unless it finishes
     async with contextlib.aclosing(chunks), contextlib.aclosing(chat_chunks(chunks)) as parsed:
         async for chunk in parsed:
             if chunk is None:  # [DONE]
                 break
             if "error" in chunk:
-                yield events.failed(base, chunk["error"]["message"])
-                return
+                failure = chunk["error"]["message"]
+                break
             if base is None:
                 base = envelope(body, chunk["id"], chunk["created"])
                 yield events.emit("response.created", response=base)
@@ -146,14 +151,15 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
             delta = choice["delta"].get("content") or ""
             if delta:
                 if text is None:
-                    text = ""
+                    text, message_open = "", True
                     for event in events.open_message(base["id"]):
                         yield event
                 text += delta
                 yield events.emit("response.output_text.delta", item_id=f"msg_{_hex(base['id'])}", output_index=0,
                                   content_index=0, delta=delta, logprobs=[])
             for call in choice["delta"].get("tool_calls") or ():
-                if text is not None and not calls:  # the text before the calls ends where they begin
+                if message_open:  # the text before the calls ends where they begin
+                    message_open = False
                     for event in events.close_message(base["id"], text, "completed"):
                         yield event
                 for event in events.function_call(base["id"], len(calls), call, 0 if text is None else 1):
@@ -161,10 +167,14 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
                 calls.append(call)
             if choice["finish_reason"] is not None:
                 if choice["finish_reason"] not in _FINISHED:
-                    yield events.failed(base, _unfinished(choice["finish_reason"]))
-                    return
+                    failure = _unfinished(choice["finish_reason"])
+                    break
                 finish = choice["finish_reason"]
-    if finish is None or usage is None:  # the chat stream ended early: nothing more to say
+    if finish is None or usage is None:  # failed, or the chat stream ended early: what was sent ends, failed
+        if message_open:
+            for event in events.close_message(base["id"], text, "incomplete"):
+                yield event
+        yield events.failed(base, failure, _partial_output(base, text, calls))
         return
     if not calls:  # the message ends with the response (an empty one if no text came)
         if text is None:
@@ -178,6 +188,15 @@ async def response_events(chunks: AsyncIterator[bytes], body: ResponsesRequest, 
         await keep(response)  # stored before the client hears it is finished, so it may chain to it at once
     yield events.emit("response.incomplete" if response["status"] == "incomplete" else "response.completed",
                       response=response)
+
+
+def _partial_output(base: dict | None, text: str | None, calls: list[dict]) -> list[dict]:
+    """The items a failed stream sent, as they ended: its message if it opened (completed
+    where the calls after it closed it, else incomplete), and the calls that came whole."""
+    if base is None:
+        return []
+    output = [] if text is None else [_message(base["id"], text, "completed" if calls else "incomplete")]
+    return output + [_function_call(base["id"], i, call) for i, call in enumerate(calls)]
 
 
 class _Events:
@@ -218,10 +237,10 @@ class _Events:
                           arguments=item["arguments"]),
                 self.emit("response.output_item.done", output_index=at, item=item)]
 
-    def failed(self, base: dict | None, message: str) -> bytes:
-        """A failure mid-stream, as OpenAI's `response.failed` (a server error); OpenAI's
-        `error` event if it came before the response was created."""
+    def failed(self, base: dict | None, message: str, output: list[dict]) -> bytes:
+        """A failure mid-stream, as OpenAI's `response.failed` (a server error) with the
+        items sent so far; OpenAI's `error` event if it came before the response was created."""
         if base is None:
             return self.emit("error", code="server_error", message=message, param=None)
-        return self.emit("response.failed", response={**base, "status": "failed",
+        return self.emit("response.failed", response={**base, "status": "failed", "output": output,
                                                       "error": {"code": "server_error", "message": message}})
