@@ -17,6 +17,7 @@ from transfer.handshake import HandshakeError, TransferInfo, check_compatible, p
 from transfer.layout import KVLayout, region_table
 from transfer.messages import Notification, decode
 from transfer.ranks import RankPool, Side
+from transfer.staging import Staging
 
 log = logging.getLogger(__name__)
 MAX_PEERS = 1024  # distinct workers a pool talks to; a restarted one replaces its older incarnation
@@ -65,6 +66,12 @@ class TransferAgent:
         self.ranks = tuple(RankPool(t.data_ptr(), heads.start, len(heads)) for t, heads in ranks) \
             if ranks and len(ranks) > 1 else ()
         self._rank_registrations = [self.nixl.register_memory(t) for t, _ in (ranks or ())[1:]]
+        # every rank's pool as blocks of the layout (rank 0's first), what packing reads
+        shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        dtype = getattr(torch, layout.dtype)
+        self.rank_tensors = [t.view(-1).view(torch.uint8).view(dtype).view(shape)
+                             for t in ([t for t, _ in ranks] if ranks else [pool])]
+        self._staging: Staging | None = None
         self.local_dlist = self.nixl.prep_xfer_dlist(
             "NIXL_INIT_AGENT", region_table(pool.data_ptr(), layout, self.device_id), self.mem_type)
         self.peers: dict[str, Peer] = {}
@@ -98,6 +105,13 @@ class TransferAgent:
                                           self.mem_type)
         self.peers[name] = Peer(name, info, dlist)
         return name
+
+    def staging(self) -> Staging:
+        """The registered scratch memory a push between different degrees packs blocks in
+        (made on first use: workers of equal degrees never need it)."""
+        if self._staging is None:
+            self._staging = Staging(self.nixl)
+        return self._staging
 
     @property
     def side(self) -> Side:
@@ -144,6 +158,8 @@ class TransferAgent:
         for name in list(self.peers):
             self.remove_peer(name)
         self.local_dlist.release()
+        if self._staging is not None:
+            self._staging.close()
         for registration in self._rank_registrations:
             self.nixl.deregister_memory(registration)
         self.nixl.deregister_memory(self._registration)

@@ -24,13 +24,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+import torch
+
 from transfer import metrics
 from transfer.agent import MAX_PEERS, TransferAgent
 from transfer.faults import FaultFile, InjectedTransferError
 from transfer.handshake import parse_agent_name
 from transfer.layout import region_indices
 from transfer.messages import NotifKind, encode
-from transfer.ranks import Piece, block_descriptors, write_pieces
+from transfer.ranks import Piece, block_descriptors, pack_blocks, write_pieces
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class _Chunk:
     queued_at: float = field(default_factory=time.monotonic)
     handle: object = None  # NIXL transfer handle once posted
     num_bytes: int = 0  # what its write moves, once posted
+    staged: list[int] = field(default_factory=list)  # its packed blocks' offsets in the agent's staging
 
 
 @dataclass
@@ -145,6 +149,7 @@ class KVPusher:
                 if state == "DONE":
                     p.in_flight.remove(chunk)
                     chunk.handle.release()
+                    self._unstage(chunk)
                     p.confirmed_bytes += chunk.num_bytes
                     if chunk.last:
                         return self._finish(p, PushStatus.DONE)
@@ -171,19 +176,23 @@ class KVPusher:
                         self.agent.send_notification(p.peer, encode(NotifKind.DONE, p.notify_id, p.num_blocks))
                         return self._finish(p, PushStatus.DONE)
                     continue
-                self._post(p, chunk)
+                if not self._post(p, chunk):
+                    return  # the staging area is full: it posts once earlier writes end
                 p.queued.popleft()
                 p.in_flight.append(chunk)
         except Exception as e:  # NIXL raises e.g. nixlRemoteDisconnectError for a dead peer
             self._fail(p, f"{type(e).__name__}: {e}")
 
-    def _post(self, p: _Push, chunk: _Chunk) -> None:
+    def _post(self, p: _Push, chunk: _Chunk) -> bool:
+        """Post the chunk's write; False (nothing posted) while the staging area is full."""
         agent = self.agent
         peer = agent.peer(p.peer)
         notif = encode(NotifKind.DONE, p.notify_id, p.num_blocks) if chunk.last else b""
         if agent.ranks or peer.info.ranks:  # a tensor-parallel side: every rank's share, in one write
-            local, remote = block_descriptors(self._pieces(peer), agent.side, peer.info.side, chunk.local,
-                                              chunk.remote, agent.device_id, peer.info.device_id)
+            rows = self._rank_rows(peer, chunk)
+            if rows is None:
+                return False
+            local, remote = rows
             handle = agent.nixl.initialize_xfer("WRITE", agent.nixl.get_xfer_descs(local, agent.mem_type),
                                                 agent.nixl.get_xfer_descs(remote, agent.mem_type), p.peer, notif)
             chunk.num_bytes = int(local[:, 1].sum())
@@ -196,6 +205,49 @@ class KVPusher:
         state = agent.nixl.transfer(handle)
         if state == "ERR":
             raise RuntimeError("NIXL refused to post the write")
+        return True
+
+    def _rank_rows(self, peer, chunk: _Chunk) -> tuple[np.ndarray, np.ndarray] | None:
+        """The write's regions between tensor-parallel sides: whole blocks where a rank of
+        theirs holds exactly one of ours' heads; the other ranks' heads packed into whole
+        blocks in the staging area (None while it is full); per-row regions for a chunk too
+        large to stage at all."""
+        agent, theirs = self.agent, peer.info.side
+        pieces = self._pieces(peer)
+        packed = sorted({q.dst_rank for q in pieces if not q.whole})
+        rows = [block_descriptors([q for q in pieces if q.whole], agent.side, theirs, chunk.local, chunk.remote,
+                                  agent.device_id, peer.info.device_id)] if len(packed) < len(theirs.ranks) else []
+        block_bytes = theirs.layout.block_bytes
+        staging = agent.staging() if packed else None
+        for d in packed:
+            try:
+                at = staging.take(len(chunk.local) * block_bytes)
+            except ValueError:  # larger than the whole staging area: regions per row, slow but sure
+                mine = [q for q in pieces if q.dst_rank == d]
+                rows.append(block_descriptors(mine, agent.side, theirs, chunk.local, chunk.remote,
+                                              agent.device_id, peer.info.device_id))
+                continue
+            if at is None:
+                self._unstage(chunk)
+                return None
+            chunk.staged.append(at)
+            layout = theirs.layout
+            view = staging.view(at, (len(chunk.local), layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+                                     layout.head_dim), getattr(torch, layout.dtype))
+            pack_blocks([q for q in pieces if q.dst_rank == d], agent.rank_tensors, chunk.local, view)
+            n = len(chunk.local)
+            src = staging.base_addr + at + np.arange(n, dtype=np.int64) * block_bytes
+            dst = theirs.ranks[d].base_addr + np.asarray(chunk.remote, dtype=np.int64) * block_bytes
+            size = np.full(n, block_bytes, dtype=np.int64)
+            rows.append((np.stack([src, size, np.full(n, agent.device_id, dtype=np.int64)], axis=1),
+                         np.stack([dst, size, np.full(n, peer.info.device_id, dtype=np.int64)], axis=1)))
+        return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+
+    def _unstage(self, chunk: _Chunk) -> None:
+        """Give back the chunk's packed blocks (its write ended, or never went out)."""
+        for at in chunk.staged:
+            self.agent.staging().give_back(at)
+        chunk.staged.clear()
 
     def _pieces(self, peer) -> list[Piece]:
         """Which of our ranks' heads go to which of the peer's ranks (kept per peer)."""
@@ -224,6 +276,7 @@ class KVPusher:
                     chunk.handle.release()
                 except Exception:
                     pass
+            self._unstage(chunk)
         p.queued.clear()
         log.info("request %s: KV push to %s failed (%s); %d blocks unconfirmed",
                  p.request_id, p.peer, reason, len(p.unconfirmed))

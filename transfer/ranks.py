@@ -14,9 +14,12 @@ a block between any two workers, whatever their degrees, without the other ranks
 
 Every head of every receiving rank (replicas included) is written, from the first of our
 ranks that holds it. Where a receiving rank's heads are exactly one of our ranks' (equal
-degrees), a block is one region; otherwise each (layer, K/V, token) row's run of heads is
-one region: 2 x layers x block_size regions of a block per piece, the price of a
-token-major block for degrees that differ.
+degrees), a block is one region. Otherwise the sender packs that rank's heads of each
+block into its block layout in registered scratch memory (`pack_blocks`,
+transfer/staging.py) and writes whole packed blocks: a copy at memory speed on the sender
+instead of one NIXL region per (layer, K/V, token) row and run of heads, which
+`block_descriptors` still describes for a write too large to stage (measured 35-100x
+slower than whole blocks: bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from transfer.layout import DTYPE_BYTES, KVLayout
 
@@ -117,3 +121,12 @@ def block_descriptors(pieces: list[Piece], ours: Side, theirs: Side, local_block
 
 def _rows(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndarray:
     return np.stack([addresses, lengths, np.full(len(addresses), device_id, dtype=np.int64)], axis=1)
+
+
+def pack_blocks(pieces: list[Piece], src_pools: list[torch.Tensor], local_blocks, out: torch.Tensor) -> None:
+    """Write into `out` ([blocks, layers, 2, block_size, their rank's heads, head_dim]) one
+    receiving rank's heads of our blocks `local_blocks`, from `pieces` (that rank's, none whole)."""
+    idx = torch.as_tensor(local_blocks, dtype=torch.int64)
+    for p in pieces:
+        heads = src_pools[p.src_rank][..., p.src_head:p.src_head + p.count, :]
+        out[..., p.dst_head:p.dst_head + p.count, :].copy_(heads.index_select(0, idx))

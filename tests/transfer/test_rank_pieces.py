@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transfer.layout import KVLayout
-from transfer.ranks import RankPool, Side, block_descriptors, write_pieces
+from transfer.ranks import RankPool, Side, block_descriptors, pack_blocks, write_pieces
 
 LAYERS, BLOCK, DIM, BLOCKS = 2, 4, 8, 6
 
@@ -68,3 +68,17 @@ def test_a_head_no_rank_holds_is_refused():
     narrowed = Side(ours.layout, (ours.ranks[0],))  # rank 1's heads missing
     with pytest.raises(ValueError, match="KV head 2 of their rank 0 is held by none of our ranks"):
         write_pieces(narrowed, theirs)
+
+
+@pytest.mark.parametrize("num_kv,src_size,dst_size", [(4, 2, 1), (4, 1, 2), (4, 4, 2), (2, 4, 1), (4, 2, 4)])
+def test_packed_blocks_hold_exactly_the_receiving_ranks_heads(num_kv, src_size, dst_size):
+    full = torch.randn(BLOCKS, LAYERS, 2, BLOCK, num_kv, DIM)
+    ours, src_pools = _worker(full, num_kv, src_size)
+    theirs, _ = _worker(None, num_kv, dst_size)
+    local = [3, 0, 5]
+    pieces = write_pieces(ours, theirs)
+    for d, heads in enumerate(_heads(num_kv, dst_size)):
+        mine = [p for p in pieces if p.dst_rank == d]
+        out = torch.full((len(local), LAYERS, 2, BLOCK, len(heads), DIM), float("nan"))
+        pack_blocks(mine, src_pools, local, out)
+        assert torch.equal(out, full[local][..., heads.start:heads.stop, :])
