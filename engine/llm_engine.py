@@ -156,6 +156,7 @@ class LLMEngine:
         eos_token_ids: frozenset[int] = frozenset(),
         tensor_parallel_size: int = 1,
         share_rank_pools: bool = False,
+        device: str = "cpu",
     ) -> LLMEngine:
         model_cfg = ModelConfig.from_pretrained(path)
         if eos_token_ids:
@@ -164,8 +165,9 @@ class LLMEngine:
         if sched.max_model_len > model_cfg.max_model_len:
             raise ValueError(f"max_model_len={sched.max_model_len} exceeds the model's "
                              f"limit of {model_cfg.max_model_len}")
-        return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype)[0], cache or CacheConfig(), sched,
-                                tensor_parallel_size=tensor_parallel_size, share_rank_pools=share_rank_pools))
+        return cls(EngineConfig(model_cfg, path, resolve_dtype(dtype, device)[0], cache or CacheConfig(), sched,
+                                device=device, tensor_parallel_size=tensor_parallel_size,
+                                share_rank_pools=share_rank_pools))
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do on one rank). Bounded."""

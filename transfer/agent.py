@@ -35,8 +35,12 @@ class Peer:
 
 
 def _nixl():
-    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
+    """NIXL's Python API from whichever CUDA build is installed: nixl-cu12 (the project's
+    dependency; on CPU it loads no CUDA) or nixl-cu13 (a CUDA 13 machine's)."""
+    try:
+        from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     return nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 
@@ -79,7 +83,7 @@ class TransferAgent:
     def info(self) -> TransferInfo:
         """What peers need to write into this worker's pool (serve it over the control plane)."""
         return TransferInfo(self.name, self.nixl.get_agent_metadata(), self.model, self.layout,
-                            self.pool.data_ptr(), self.device_id, ranks=self.ranks)
+                            self.pool.data_ptr(), self.device_id, ranks=self.ranks, mem_type=self.mem_type)
 
     def add_peer(self, info: TransferInfo) -> str:
         """Load a peer's agent after checking compatibility; replaces older incarnations of it."""
@@ -102,7 +106,7 @@ class TransferAgent:
             self.nixl.remove_remote_agent(name)
             raise HandshakeError(f"agent metadata names {name!r} but the info says {info.agent_name!r}")
         dlist = self.nixl.prep_xfer_dlist(name, region_table(info.base_addr, info.layout, info.device_id),
-                                          self.mem_type)
+                                          info.mem_type)  # the peer's memory kind, which may differ from ours
         self.peers[name] = Peer(name, info, dlist)
         return name
 
@@ -110,7 +114,7 @@ class TransferAgent:
         """The registered scratch memory a push between different degrees packs blocks in
         (made on first use: workers of equal degrees never need it)."""
         if self._staging is None:
-            self._staging = Staging(self.nixl)
+            self._staging = Staging(self.nixl, device=self.pool.device)
         return self._staging
 
     @property
@@ -120,7 +124,7 @@ class TransferAgent:
 
     def info_without_metadata(self) -> TransferInfo:
         return TransferInfo(self.name, b"", self.model, self.layout, self.pool.data_ptr(), self.device_id,
-                            ranks=self.ranks)
+                            ranks=self.ranks, mem_type=self.mem_type)
 
     def peer(self, name: str) -> Peer:
         try:

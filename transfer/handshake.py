@@ -16,6 +16,7 @@ from transfer.layout import PROTOCOL_VERSION, KVLayout, compatibility_hash
 from transfer.ranks import RankPool, Side
 
 MAX_RANKS = 1024  # a peer's claimed tensor-parallel degree, bounded like its layout
+MEM_TYPES = ("DRAM", "VRAM")  # outside the compatibility hash: a host pool and a GPU's may pair
 
 
 class HandshakeError(ValueError):
@@ -54,6 +55,7 @@ class TransferInfo:
     # A tensor-parallel worker's pools, rank 0 first (transfer/ranks.py); () for one rank
     # holding every KV head at base_addr. `layout` is then each rank's pool.
     ranks: tuple[RankPool, ...] = ()
+    mem_type: str = "DRAM"  # NIXL's memory kind of the pools: DRAM (host) or VRAM (a GPU's)
 
     @property
     def rank_pools(self) -> tuple[RankPool, ...]:
@@ -87,6 +89,7 @@ class TransferInfo:
             "base_addr": self.base_addr,
             "device_id": self.device_id,
             "ranks": [[r.base_addr, r.head_start, r.head_count] for r in self.ranks],
+            "mem_type": self.mem_type,
             "compat_hash": self.compat_hash,
         }).encode()
 
@@ -98,8 +101,11 @@ class TransferInfo:
             if version != PROTOCOL_VERSION:
                 raise HandshakeError(f"peer speaks transfer protocol {version}, this worker {PROTOCOL_VERSION}")
             ranks = tuple(RankPool(int(a), int(s), int(c)) for a, s, c in d.get("ranks", ()))
+            mem_type = d.get("mem_type", "DRAM")  # a peer from before the field: host memory
+            if mem_type not in MEM_TYPES:
+                raise HandshakeError(f"memory kind {mem_type!r}: one of {', '.join(MEM_TYPES)}")
             info = cls(d["agent_name"], base64.b64decode(d["agent_metadata"]), d["model"],
-                       KVLayout(**d["layout"]), int(d["base_addr"]), int(d["device_id"]), version, ranks)
+                       KVLayout(**d["layout"]), int(d["base_addr"]), int(d["device_id"]), version, ranks, mem_type)
             parse_agent_name(info.agent_name)  # an unparseable name would break add_peer for every later peer
             check_ranks(info)
         except HandshakeError:

@@ -194,7 +194,7 @@ class KVPusher:
                 return False
             local, remote = rows
             handle = agent.nixl.initialize_xfer("WRITE", agent.nixl.get_xfer_descs(local, agent.mem_type),
-                                                agent.nixl.get_xfer_descs(remote, agent.mem_type), p.peer, notif)
+                                                agent.nixl.get_xfer_descs(remote, peer.info.mem_type), p.peer, notif)
             chunk.num_bytes = int(local[:, 1].sum())
         else:
             r = agent.layout.regions_per_block

@@ -23,9 +23,10 @@ ALIGN = 4096
 
 
 class Staging:
-    def __init__(self, nixl, capacity_bytes: int = DEFAULT_CAPACITY):
+    def __init__(self, nixl, capacity_bytes: int = DEFAULT_CAPACITY, device: torch.device | str = "cpu"):
+        """On the pools' device: packing is a copy there, and the write reads it as the pools' kind."""
         self.capacity = capacity_bytes
-        self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8)  # touched now: no page faults in a push
+        self.buffer = torch.zeros(capacity_bytes, dtype=torch.uint8, device=device)  # touched now: no page faults
         self._registration = nixl.register_memory(self.buffer)
         self._nixl = nixl
         self._free: list[tuple[int, int]] = [(0, capacity_bytes)]  # (offset, length), by offset

@@ -59,6 +59,8 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="queue bound; past it requests are refused at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads for this process (each rank's with "
                                                                 "--tensor-parallel-size)")
+    p.add_argument("--device", default="cpu", help="where the weights, the KV pool and the steps live: cpu, or "
+                                                   "cuda / cuda:N")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks the model is sharded over, one process each (engine/parallel/); KV moves "
                         "to and from workers of any degree the model's KV heads allow (transfer/ranks.py)")
@@ -76,7 +78,8 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
     cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
     engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size,
-                                   share_rank_pools=not args.no_transfer)  # its agent registers every rank's pool
+                                   share_rank_pools=not args.no_transfer,  # its agent registers every rank's pool
+                                   device=args.device)
     if engine.ranks is not None:
         engine.ranks.on_lost = _end_with_lost_rank
         rank_metrics.register(engine.ranks.clocks)

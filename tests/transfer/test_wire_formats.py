@@ -101,6 +101,11 @@ def test_transfer_info_round_trip():
     info = _info()
     assert TransferInfo.from_bytes(info.to_bytes()) == info
     assert info.worker_key == ("decode", "0")
+    gpu = _info(mem_type="VRAM", device_id=3)
+    assert TransferInfo.from_bytes(gpu.to_bytes()) == gpu and gpu.compat_hash == info.compat_hash  # kinds may pair
+    older = json.loads(info.to_bytes())
+    del older["mem_type"]  # a peer from before the field: its pool is host memory
+    assert TransferInfo.from_bytes(json.dumps(older).encode()).mem_type == "DRAM"
 
 
 def _edited(edit) -> bytes:
@@ -120,6 +125,7 @@ def _edited(edit) -> bytes:
     (_edited(lambda d: d.update(agent_metadata="not base64!")), "malformed"),
     (_edited(lambda d: d.update(agent_name="nodashes")), "nodashes"),
     (_edited(lambda d: d.update(agent_name=5)), "malformed"),
+    (_edited(lambda d: d.update(mem_type="HBM")), "memory kind 'HBM': one of DRAM, VRAM"),
     # num_blocks is outside the compatibility hash (pools differ in size), so only a bound stops
     # a claimed billion blocks from becoming a descriptor table of tens of GB
     (_edited(lambda d: d["layout"].update(num_blocks=10**9)), "num_blocks=1000000000: must be an integer in"),
