@@ -19,7 +19,7 @@ Four phases, each in a child process of its own with a time bound (--quick: tiny
    KV bytes over the copy bandwidth measured on the device (bench/harness/device_decode.py).
 4. throughput: a ShareGPT-like batch through the engine and through transformers' generate.
 Every figure is printed with the device's name (torch.cuda.get_device_name; the CPU's model
-name) and all of them are written to DIR/gpu_pd.json.
+name) and all of them are written to gpu_pd.json in the --out folder.
 
 Exit status: 0 every phase ran and passed; 1 a token mismatch or KV that did not come from the
 prefill worker; 2 no CUDA device (without --cpu); 3 a phase failed, timed out, or cannot run on
@@ -172,7 +172,7 @@ PHASE_RUNS = {"push": phase_push, "serve": phase_serve, "decode": phase_decode, 
 
 
 def run_child(args) -> int:
-    """One phase in this process; its JSON to WORK/PHASE.json. SIGTERM (the parent's time bound)
+    """One phase in this process; its JSON to <phase>.json in the work folder. SIGTERM (the parent's time bound)
     unwinds, so every process the phase started is stopped by its helper; a SIGKILL still ends
     the workers and the gateway, which watch this process (PDSERVE_PARENT_PID)."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))

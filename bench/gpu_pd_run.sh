@@ -24,7 +24,8 @@ for call in .gpu_pd/call*; do
             "$call"/wheels/*.whl
     fi
 done
-# transfer/agent.py imports nixl_cu12; the CUDA 13 build installs as nixl_cu13: one name for the other
+# transfer/agent.py takes nixl_cu13 when nixl_cu12 is absent, but the bench harness imports nixl_cu12:
+# the CUDA 13 build installs as nixl_cu13, so one name stands for the other
 if [ -d "$site/nixl_cu13" ] && [ ! -d "$site/nixl_cu12" ]; then
     mkdir -p "$site/nixl_cu12"
     printf '%s\n' "import importlib, sys" \
