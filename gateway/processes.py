@@ -19,7 +19,7 @@ What the children share, in the folder (0700, removed when the front process end
 - `membership.json`: the deploy controller's last push, which one child took and every child
   replays (gateway/shared_membership.py): they route to the same workers.
 - `responses/`: the Responses API's stored answers, a file each
-  (gateway/openai_responses_store.py): a `previous_response_id` any child stored is found
+  (gateway/openai_responses_folder_store.py): a `previous_response_id` any child stored is found
   by every child, within one byte bound and age for them all.
 
 Each child keeps its own load shedding and KV accounting, a partition with an error bound:
