@@ -7,6 +7,7 @@ replicated KV heads (fewer heads than ranks) on either side."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,3 +83,21 @@ def test_packed_blocks_hold_exactly_the_receiving_ranks_heads(num_kv, src_size, 
         out = torch.full((len(local), LAYERS, 2, BLOCK, len(heads), DIM), float("nan"))
         pack_blocks(mine, src_pools, local, out)
         assert torch.equal(out, full[local][..., heads.start:heads.stop, :])
+
+
+def test_descriptors_for_device_pools_carry_each_sides_device():
+    """A GPU pool is described by address and device, as NIXL's VRAM segments want: built here
+    from made-up device pointers (nothing is written), every row names its side's device."""
+    layout = KVLayout(num_blocks=BLOCKS, num_layers=LAYERS, block_size=BLOCK, num_kv_heads=2, head_dim=DIM,
+                      dtype="bfloat16")
+    ours = Side(layout, (RankPool(0x7F00_0000_0000, 0, 2), RankPool(0x7F10_0000_0000, 2, 2)))
+    theirs = Side(replace(layout, num_kv_heads=4), (RankPool(0x7E00_0000_0000, 0, 4),))
+    whole = Side(layout, (RankPool(0x7D00_0000_0000, 0, 2), RankPool(0x7D10_0000_0000, 2, 2)))
+    src, dst = block_descriptors(write_pieces(ours, whole), ours, whole, [1, 2], [3, 4], device_id=1,
+                                 remote_device_id=2)
+    assert src.shape == dst.shape == (4, 3) and set(src[:, 2]) == {1} and set(dst[:, 2]) == {2}
+    assert list(src[:, 1]) == [layout.block_bytes] * 4
+    assert list(dst[:, 0]) == [0x7D00_0000_0000 + b * layout.block_bytes for b in (3, 4)] + \
+        [0x7D10_0000_0000 + b * layout.block_bytes for b in (3, 4)]
+    rows, _ = block_descriptors(write_pieces(ours, theirs), ours, theirs, [0], [0], device_id=1, remote_device_id=2)
+    assert len(rows) == 2 * 2 * LAYERS * BLOCK  # two runs of heads a (layer, K/V, token) row, unstaged
