@@ -30,9 +30,15 @@ the receiving degree, each rank's pool holding its KV heads of a SmolLM2-shaped 
 fewer than the largest degree, so some ranks hold the same head). Every pair pushes the same
 blocks, the model's whole KV of them, with one agent per degree on each side for the whole
 run; the pairs take turns push by push (A B C A B C), so background load falls on all
-alike, and each turn also times the same descriptors by process_vm_writev (CMA) and one
-libc memcpy of the same bytes. The last push of each pair is verified rank by rank: each
-receiving rank's target blocks against its heads' slice of the sender's full-head
+alike. Reported per pair: the regions its writes post (counted as the pusher posts them, and
+checked against the bench's own account of them: whole blocks to a receiving rank whose
+heads are one sending rank's, else that rank's heads packed into whole blocks in staging
+memory), the regions the per-row path would post (one per (layer, K/V, token) row and run
+of heads: the push before staging), and in each turn, in the sender process, the pack of
+the staged ranks' heads of the same chunks (`pack_blocks`, as the pusher packs) timed on its
+own, one process_vm_writev of the regions posted (CMA: the packed blocks for staged ranks)
+and one libc memcpy of the same bytes. The last push of each pair is verified rank by rank:
+each receiving rank's target blocks against its heads' slice of the sender's full-head
 reference pool. GB/s there = the model's KV bytes pushed / seconds (a replica's bytes are
 written but not counted again).
 
@@ -158,12 +164,15 @@ class TPRow:
     kv_heads: int
     src_degree: int
     dst_degree: int
-    descriptors_per_block: int
+    regions: int  # what the push posts (counted from its writes): one per block per receiving rank, unless rows
+    staged_ranks: int  # receiving ranks whose heads the sender packs into staging
+    row_regions_per_block: int  # what the per-row path posts: the push before staging, for comparison
     num_blocks: int
     kv_bytes: int  # the model's KV of the pushed blocks
     written_bytes: int  # what the write moves: more than kv_bytes where receiving ranks hold replicas
     first_push_s: float
     push_s: list[float] = field(default_factory=list)
+    pack_s: list[float] = field(default_factory=list)  # pack_blocks of the staged ranks, in the same turns
     cma_s: list[float] = field(default_factory=list)
     verified_ranks: int = 0
 
@@ -172,8 +181,22 @@ class TPRow:
         return f"{self.src_degree}:{self.dst_degree}"
 
     @property
-    def descriptor_bytes(self) -> float:
-        return self.written_bytes / (self.num_blocks * self.descriptors_per_block)
+    def regions_per_block(self) -> float:
+        return self.regions / self.num_blocks
+
+    @property
+    def region_bytes(self) -> float:
+        return self.written_bytes / self.regions
+
+    @property
+    def pack_ms(self) -> float | None:
+        return statistics.median(self.pack_s) * 1e3 if self.pack_s else None
+
+    @property
+    def write_ms(self) -> float:
+        """The push less its pack, turn by turn (median): NIXL's part of it."""
+        packs = self.pack_s or [0.0] * len(self.push_s)
+        return statistics.median(p - q for p, q in zip(self.push_s, packs)) * 1e3
 
     @property
     def push_gbps(self) -> float:
@@ -183,11 +206,12 @@ class TPRow:
     def cma_gbps(self) -> float:
         return self.kv_bytes / statistics.median(self.cma_s) / 1e9
 
-    def rates(self, base: TPRow, memcpy_s: list[float]) -> dict[str, float]:
+    def rates(self, base: TPRow, memcpy_s: list[float]) -> dict[str, float | None]:
         memcpy_gbps = self.kv_bytes / min(memcpy_s) / 1e9
         return dict(push_gbps=self.push_gbps, cma_gbps=self.cma_gbps, memcpy_gbps=memcpy_gbps,
                     push_over_1to1=self.push_gbps / base.push_gbps, push_over_memcpy=self.push_gbps / memcpy_gbps,
-                    push_over_cma=self.push_gbps / self.cma_gbps, descriptor_bytes=self.descriptor_bytes)
+                    push_over_cma=self.push_gbps / self.cma_gbps, regions_per_block=self.regions_per_block,
+                    region_bytes=self.region_bytes, pack_ms=self.pack_ms, write_ms=self.write_ms)
 
 
 class Worker:
@@ -315,22 +339,26 @@ class Bench:
         kv_bytes = self.num_blocks * group.kv_layout(1).block_bytes
         rows = []
         for src, dst in group.pairs:
-            shape = self.sender.call("tp_pair", src=src, dst=dst)
-            written = self.num_blocks * shape["written_bytes_per_block"]
-            first = self.tp_push(src, dst, f"tp-{tag}-{src}-{dst}-warmup-{self.incarnation}", written, None)
-            rows.append(TPRow(group.kv_heads, src, dst, shape["descriptors_per_block"], self.num_blocks, kv_bytes,
-                              written, first))
-            log(f"{group.label} {src}:{dst}: {shape['descriptors_per_block']} descriptors/block, "
-                f"first push {first * 1e3:.1f} ms")
+            shape = self.sender.call("tp_pair", src=src, dst=dst, chunks=self.chunks)
+            written, regions = shape["written_bytes"], shape["regions"]
+            first = self.tp_push(src, dst, f"tp-{tag}-{src}-{dst}-warmup-{self.incarnation}", written, None, regions)
+            rows.append(TPRow(group.kv_heads, src, dst, regions, shape["staged_ranks"], shape["row_regions_per_block"],
+                              self.num_blocks, kv_bytes, written, first))
+            log(f"{group.label} {src}:{dst}: {regions / self.num_blocks:g} regions/block "
+                f"({shape['staged_ranks']} receiving rank(s) staged; the per-row path: "
+                f"{shape['row_regions_per_block']}), first push {first * 1e3:.1f} ms")
         memcpy_s = []
         for i in range(self.args.repeats):
             last = i == self.args.repeats - 1
             for row in rows:  # A B C, A B C: the pairs share whatever else the machine does
                 heads = rx["heads"][row.dst_degree] if last else None
                 row.push_s.append(self.tp_push(row.src_degree, row.dst_degree,
-                                               f"tp-{tag}-{row.pair}-{i}-{self.incarnation}", row.written_bytes, heads))
-                row.cma_s.append(self.sender.call("tp_cma", src=row.src_degree, dst=row.dst_degree, blocks=self.src,
-                                                  remote_blocks=self.dst))
+                                               f"tp-{tag}-{row.pair}-{i}-{self.incarnation}", row.written_bytes, heads,
+                                               row.regions))
+                copies = self.sender.call("tp_copies", src=row.src_degree, dst=row.dst_degree, chunks=self.chunks)
+                if copies["pack"] is not None:
+                    row.pack_s.append(copies["pack"])
+                row.cma_s.append(copies["cma"])
                 row.verified_ranks += len(heads or ())
             memcpy_s.append(self.sender.call("tp_memcpy", num_blocks=self.num_blocks))
         self.sender.call("tp_teardown")
@@ -341,10 +369,11 @@ class Bench:
         return rows, memcpy_s
 
     def tp_push(self, src: int, dst: int, request_id: str, written_bytes: int | None,
-                heads: list[list[int]] | None) -> float:
+                heads: list[list[int]] | None, regions: int | None = None) -> float:
         """One push from the degree-`src` worker into the degree-`dst` one; returns the sender's
         seconds. With `heads` (the receiving ranks' [start, count]), the targets are poisoned
-        first and each rank's blocks checked against its heads of the sender's reference."""
+        first and each rank's blocks checked against its heads of the sender's reference; with
+        `regions`, the regions its writes posted must be as many."""
         timeout = self.args.timeout
         self.receiver.call("tp_expect", degree=dst, request_id=request_id, blocks=self.dst, poison=bool(heads),
                            timeout_s=timeout)
@@ -353,6 +382,9 @@ class Bench:
         if not sent["ok"] or (written_bytes is not None and sent["num_bytes"] != written_bytes):
             raise RuntimeError(f"push {request_id}: {sent['status']} ({sent['reason'] or 'no reason'}), "
                                f"{sent['num_bytes']} of {written_bytes} bytes confirmed")
+        if regions is not None and sent["posted_regions"] != regions:
+            raise RuntimeError(f"push {request_id}: posted {sent['posted_regions']} regions where the bench "
+                               f"accounts for {regions} (bench/harness/bandwidth_peers.py `_tp_posted`)")
         got = self.receiver.call("tp_wait", timeout + 30, degree=dst, request_id=request_id, blocks=self.dst,
                                  verify=bool(heads), timeout_s=timeout)
         if got["status"] != "complete" or got["num_blocks"] != self.num_blocks:
@@ -411,21 +443,29 @@ def render_tp(args: argparse.Namespace, conditions: dict,
         f"layers, head_dim {TP_SHAPE[1]}, blocks of {BLOCK_SIZE}, {DTYPE}): {c['blocks']} blocks, the model's whole "
         f"KV, in {c['chunks']} chunks, scattered source and target blocks (seed {c['seed']}); one agent per degree "
         "on each side",
-        f"push: median of {n}, the pairs taking turns push by push after one warm-up push each; GB/s = the model's "
-        f"KV bytes / seconds; CMA = process_vm_writev of the same descriptors, median of {n}; memcpy = libc memcpy "
-        f"of the same bytes, best of {n}, timed in the same turns; the last push of each pair verified rank by rank",
+        "regions/block: what the push posts (counted from its writes), whole blocks to each receiving rank, packed "
+        "first into staging for the staged ranks; rows/block: what the per-row path (the push before staging, still "
+        "used for a chunk larger than the staging area) would post",
+        f"push: median of {n}, the pairs taking turns push by push after one warm-up push each; pack: the sender's "
+        f"pack_blocks of the same chunks, median of {n}, timed in the same turns; write: push - pack, turn by turn; "
+        f"CMA: one process_vm_writev of the regions posted (the packed blocks for staged ranks), median of {n}; "
+        f"memcpy: libc memcpy of the same bytes, best of {n}; GB/s = the model's KV bytes / seconds; the last push "
+        "of each pair verified rank by rank",
         "",
-        f"{'model':<26}{'pair':>6}{'desc/block':>12}{'desc bytes':>12}{'written/KV':>12}{'push ms':>10}"
-        f"{'push GB/s':>11}{'CMA GB/s':>10}{'memcpy GB/s':>13}{'push/1:1':>10}{'push/memcpy':>13}{'first push ms':>15}",
+        f"{'model':<26}{'pair':>6}{'regions/block':>15}{'region KiB':>12}{'staged':>8}{'rows/block':>12}"
+        f"{'written/KV':>12}{'push ms':>10}{'pack ms':>9}{'write ms':>10}{'CMA ms':>9}{'push GB/s':>11}"
+        f"{'memcpy GB/s':>13}{'push/1:1':>10}{'push/memcpy':>13}{'first push ms':>15}",
     ]
     for group, rows, memcpy_s in groups:
         for r in rows:
             rates = r.rates(rows[0], memcpy_s)
+            pack = f"{r.pack_ms:.2f}" if r.pack_ms is not None else "-"
             lines.append(
-                f"{group.label:<26}{r.pair:>6}{r.descriptors_per_block:>12}{r.descriptor_bytes:>12.0f}"
-                f"{r.written_bytes / r.kv_bytes:>12.2f}{statistics.median(r.push_s) * 1e3:>10.2f}{r.push_gbps:>11.2f}"
-                f"{r.cma_gbps:>10.2f}{rates['memcpy_gbps']:>13.2f}{rates['push_over_1to1']:>9.3f}x"
-                f"{rates['push_over_memcpy']:>12.3f}x{r.first_push_s * 1e3:>15.1f}")
+                f"{group.label:<26}{r.pair:>6}{r.regions_per_block:>15g}{r.region_bytes / 1024:>12g}"
+                f"{r.staged_ranks:>8}{r.row_regions_per_block:>12}{r.written_bytes / r.kv_bytes:>12.2f}"
+                f"{statistics.median(r.push_s) * 1e3:>10.2f}{pack:>9}{r.write_ms:>10.2f}"
+                f"{statistics.median(r.cma_s) * 1e3:>9.2f}{r.push_gbps:>11.2f}{rates['memcpy_gbps']:>13.2f}"
+                f"{rates['push_over_1to1']:>9.3f}x{rates['push_over_memcpy']:>12.3f}x{r.first_push_s * 1e3:>15.1f}")
     return "\n".join(lines)
 
 

@@ -38,8 +38,10 @@ from transfer.agent import TransferAgent
 from transfer.handshake import TransferInfo
 from transfer.layout import KVLayout, region_indices, region_table
 from transfer.push import KVPusher, PushStatus
-from transfer.ranks import block_descriptors, write_pieces
+from transfer.ranks import Piece, block_descriptors, pack_blocks, write_pieces
 from transfer.receive import KVReceiver
+from transfer.staging import ALIGN as STAGING_ALIGN
+from transfer.staging import DEFAULT_CAPACITY as STAGING_CAPACITY
 
 MODEL = "bench-transfer"  # both sides publish the same name; only the layout matters here
 IDLE_POLL_S = 0.0005  # the receiver's loop period while waiting for a command
@@ -89,6 +91,27 @@ def rank_heads(num_kv_heads: int, degree: int) -> list[range]:
         return [range(r * per, (r + 1) * per) for r in range(degree)]
     replicas = degree // num_kv_heads
     return [range(r // replicas, r // replicas + 1) for r in range(degree)]
+
+
+def _count_posted(agent: TransferAgent, counts: dict[int, int], key: int) -> None:
+    """Add to `counts[key]` the local regions of every write `agent` posts (the rows of the
+    descriptor list built for `initialize_xfer`, or the prepped indices), so the bench reports
+    what the pusher posted rather than what the bench expects it to."""
+    nixl = agent.nixl
+    get_descs, prepped = nixl.get_xfer_descs, nixl.make_prepped_xfer
+    local_side = [True]  # the pusher builds the local list, then the remote one
+
+    def counted_descs(descs, *args, **kwargs):
+        if local_side[0]:
+            counts[key] += len(descs)
+        local_side[0] = not local_side[0]
+        return get_descs(descs, *args, **kwargs)
+
+    def counted_prepped(operation, local_dlist, local_indices, *args, **kwargs):
+        counts[key] += len(local_indices)
+        return prepped(operation, local_dlist, local_indices, *args, **kwargs)
+
+    nixl.get_xfer_descs, nixl.make_prepped_xfer = counted_descs, counted_prepped
 
 
 class _Ranked:
@@ -152,6 +175,8 @@ class SenderSide(_Side):
         self.tp_peers: dict[int, str] = {}  # the receiver's degree -> its agent name
         self.tp_full: torch.Tensor | None = None  # every KV head: the reference the ranks are sliced from
         self.tp_full_rows: np.ndarray | None = None
+        self.tp_scratch: torch.Tensor | None = None  # where tp_copies packs, as the pusher does into staging
+        self.tp_posted: dict[int, int] = {}  # degree -> rows of the descriptor lists its agent built
 
     def setup(self, name: str, layout: dict, seed: int) -> None:
         kv, fresh = self._new_agent(name, layout)
@@ -237,6 +262,9 @@ class SenderSide(_Side):
         np.random.default_rng(seed).random(out=self.tp_full_rows.view(np.float64))
         self.tp_workers = {d: _Ranked(name, full, d, self.tp_full) for d, name in names.items()}
         self.tp_pushers = {d: KVPusher(w.agent) for d, w in self.tp_workers.items()}
+        self.tp_posted = dict.fromkeys(names, 0)
+        for d, w in self.tp_workers.items():
+            _count_posted(w.agent, self.tp_posted, d)
 
     def tp_connect(self, infos: dict[int, bytes], pid: int, timeout_s: float) -> None:
         """Every sending degree adds every receiving one (`infos`: degree -> transfer info)."""
@@ -250,40 +278,97 @@ class SenderSide(_Side):
 
     def tp_push(self, src: int, dst: int, request_id: str, chunks: list[tuple[list[int], list[int]]],
                 timeout_s: float) -> dict:
-        """`push` from the degree-`src` worker into the degree-`dst` one."""
+        """`push` from the degree-`src` worker into the degree-`dst` one, with the regions its
+        writes posted (`posted_regions`)."""
         self.pusher, self.peer = self.tp_pushers[src], self.tp_peers[dst]
+        before = self.tp_posted[src]
         try:
-            return self.push(request_id, chunks, timeout_s)
+            return dict(self.push(request_id, chunks, timeout_s), posted_regions=self.tp_posted[src] - before)
         finally:
             self.pusher = None
 
-    def _tp_descriptors(self, src: int, dst: int, blocks: list[int], remote_blocks: list[int]) -> np.ndarray:
-        """[n, 4] uint64 rows (local address, length, remote address, length): what a push from
-        `src` into `dst` writes, the prepped regions between one-rank workers, else the rank pieces."""
+    def _tp_posted(self, src: int, dst: int, chunks: list[tuple[list[int], list[int]]],
+                   scratch_addr: int = 0) -> tuple[np.ndarray, list[tuple[int, list[Piece], list[int], int]]]:
+        """What a push of `chunks` from degree `src` into degree `dst` posts, built as the pusher
+        builds it (transfer/push.py `_rank_rows`): the prepped whole-block regions between one-rank
+        workers; else whole blocks rank to rank where a receiving rank holds exactly one sending
+        rank's heads, the other receiving ranks' heads packed into whole blocks (staged, here at
+        `scratch_addr` onwards, chunk after chunk), and per-row regions for a chunk too large to
+        stage. Returns [n, 4] uint64 rows (local address, length, remote address, length) and the
+        packs: (receiving rank, its pieces, a chunk's local blocks, offset from `scratch_addr`)."""
         agent = self.tp_workers[src].agent
         peer = agent.peer(self.tp_peers[dst]).info
         if not agent.ranks and not peer.ranks:
             r = agent.layout.regions_per_block
+            blocks = [b for local, _ in chunks for b in local]
+            remote_blocks = [b for _, remote in chunks for b in remote]
             local = region_table(agent.pool.data_ptr(), agent.layout)[region_indices(blocks, r)]
             remote = region_table(peer.base_addr, peer.layout)[region_indices(remote_blocks, r)]
-        else:
-            local, remote = block_descriptors(write_pieces(agent.side, peer.side), agent.side, peer.side,
-                                              blocks, remote_blocks)
-        return np.concatenate([local[:, :2], remote[:, :2]], axis=1).astype(np.uint64)
+            return np.concatenate([local[:, :2], remote[:, :2]], axis=1).astype(np.uint64), []
+        ours, theirs = agent.side, peer.side
+        pieces = write_pieces(ours, theirs)
+        whole = [q for q in pieces if q.whole]
+        packed = sorted({q.dst_rank for q in pieces if not q.whole})
+        block_bytes = theirs.layout.block_bytes
+        rows, packs, offset = [], [], 0
+        for local_blocks, remote_blocks in chunks:
+            if whole:
+                rows.append(block_descriptors(whole, ours, theirs, local_blocks, remote_blocks))
+            n = len(local_blocks)
+            for d in packed:
+                mine = [q for q in pieces if q.dst_rank == d]
+                if -(-n * block_bytes // STAGING_ALIGN) * STAGING_ALIGN > STAGING_CAPACITY:  # rows, as the pusher
+                    rows.append(block_descriptors(mine, ours, theirs, local_blocks, remote_blocks))
+                    continue
+                packs.append((d, mine, local_blocks, offset))
+                size = np.full(n, block_bytes, dtype=np.int64)
+                at = scratch_addr + offset + np.arange(n, dtype=np.int64) * block_bytes
+                to = theirs.ranks[d].base_addr + np.asarray(remote_blocks, dtype=np.int64) * block_bytes
+                rows.append((np.stack([at, size], axis=1), np.stack([to, size], axis=1)))
+                offset += n * block_bytes
+        local = np.concatenate([r[0][:, :2] for r in rows])
+        remote = np.concatenate([r[1][:, :2] for r in rows])
+        return np.concatenate([local, remote], axis=1).astype(np.uint64), packs
 
-    def tp_pair(self, src: int, dst: int) -> dict:
-        """Descriptors per block and bytes a block's write moves (replicas count once each)."""
-        rows = self._tp_descriptors(src, dst, [0], [0])
-        return {"descriptors_per_block": len(rows), "written_bytes_per_block": int(rows[:, 1].sum())}
+    def tp_pair(self, src: int, dst: int, chunks: list[tuple[list[int], list[int]]]) -> dict:
+        """What a push of `chunks` from `src` into `dst` posts: regions, bytes written (replicas
+        count once each), receiving ranks packed into staging; and the regions per block the
+        per-row path posts (one per (layer, K/V, token) row and run of heads where a receiving
+        rank's heads are not one sending rank's), for comparison."""
+        rows, packs = self._tp_posted(src, dst, chunks)
+        agent = self.tp_workers[src].agent
+        peer = agent.peer(self.tp_peers[dst]).info
+        by_row = len(rows) // sum(len(local) for local, _ in chunks) if not agent.ranks and not peer.ranks else \
+            len(block_descriptors(write_pieces(agent.side, peer.side), agent.side, peer.side, [0], [0])[0])
+        return {"regions": len(rows), "written_bytes": int(rows[:, 1].sum()),
+                "staged_ranks": len({d for d, *_ in packs}), "row_regions_per_block": by_row}
 
-    def tp_cma(self, src: int, dst: int, blocks: list[int], remote_blocks: list[int]) -> float:
-        """Seconds of one process_vm_writev of the pair's descriptors: the kernel's copy of the
-        same pieces into the same target blocks, without NIXL."""
-        rows = self._tp_descriptors(src, dst, blocks, remote_blocks)
+    def tp_copies(self, src: int, dst: int, chunks: list[tuple[list[int], list[int]]]) -> dict:
+        """The sender's side of the pair's push without NIXL, each timed once: `pack`, the
+        pusher's `pack_blocks` of every staged rank's heads, chunk by chunk, into scratch memory
+        (None where nothing is staged); `cma`, one process_vm_writev of the regions the push
+        posts (the packed blocks for staged ranks) into the same target blocks: the kernel's
+        copy UCX's CMA transport makes."""
+        agent = self.tp_workers[src].agent
+        _, packs = self._tp_posted(src, dst, chunks)
+        need = sum(len(local) for _, _, local, _ in packs) * agent.peer(self.tp_peers[dst]).info.layout.block_bytes
+        if self.tp_scratch is None or self.tp_scratch.numel() < need:
+            self.tp_scratch = None
+            self.tp_scratch = torch.ones(need, dtype=torch.uint8)  # every page touched before timing
+        rows, packs = self._tp_posted(src, dst, chunks, self.tp_scratch.data_ptr())
+        layout = agent.peer(self.tp_peers[dst]).info.layout
+        dtype = getattr(torch, layout.dtype)
+        t0 = time.perf_counter()
+        for _, mine, local, offset in packs:  # as the pusher packs into its staging area
+            n = len(local)
+            view = self.tp_scratch[offset:offset + n * layout.block_bytes].view(dtype).view(
+                n, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+            pack_blocks(mine, agent.rank_tensors, local, view)
+        pack_s = time.perf_counter() - t0 if packs else None
         local, remote = np.ascontiguousarray(rows[:, :2]), np.ascontiguousarray(rows[:, 2:])
         t0 = time.perf_counter()
         _cma_write(self.peer_pid, local, remote)
-        return time.perf_counter() - t0
+        return {"pack": pack_s, "cma": time.perf_counter() - t0}
 
     def tp_memcpy(self, num_blocks: int) -> float:
         """Seconds of one libc memcpy of the reference pool's first `num_blocks` blocks (the
@@ -311,7 +396,7 @@ class SenderSide(_Side):
         for w in self.tp_workers.values():
             w.agent.close()
         self.tp_workers, self.tp_pushers, self.tp_peers = {}, {}, {}
-        self.tp_full = self.tp_full_rows = self.scratch = None
+        self.tp_full = self.tp_full_rows = self.scratch = self.tp_scratch = None
         gc.collect()
 
     def teardown(self) -> None:

@@ -1,7 +1,8 @@
 """The KV transfer benchmark (bench/transfer.py) between tensor-parallel degrees: its pairs
 parsed and refused, and one pair (2 ranks into 1) pushed for real between the bench's two
-processes, its rows shaped as reported and every receiving rank checked against its heads,
-with a wrong expectation caught (no timing is asserted)."""
+processes, its rows shaped as reported (the regions posted counted from the writes, the
+receiving rank's heads staged) and every receiving rank checked against its heads, with a
+wrong expectation and a wrong count of regions caught (no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -46,10 +47,15 @@ def test_a_two_rank_push_into_one_rank_lands_every_head_and_a_wrong_expectation_
         assert [r.pair for r in rows] == ["1:1", "2:1"]
         base, pair = rows
         assert all(r.verified_ranks == r.dst_degree and len(r.push_s) == len(r.cma_s) == 1 for r in rows)
-        assert base.kv_bytes == pair.kv_bytes == pair.written_bytes == 2 * group.kv_layout(1).block_bytes
-        # one region per block against one per (layer, K/V, token) row and sending rank
-        assert base.descriptors_per_block == 1 and pair.descriptors_per_block == 2 * 30 * 16 * 2
-        assert pair.descriptor_bytes == 2 * 64 * 2
+        block_bytes = group.kv_layout(1).block_bytes
+        assert base.kv_bytes == pair.kv_bytes == pair.written_bytes == 2 * block_bytes
+        # the one receiving rank's heads come from both sending ranks: packed into its layout in
+        # staging, one whole-block region per block (counted from the writes posted), where the
+        # per-row path posts one per (layer, K/V, token) row and sending rank
+        assert base.regions_per_block == pair.regions_per_block == 1 and pair.region_bytes == block_bytes
+        assert (base.staged_ranks, pair.staged_ranks) == (0, 1)
+        assert base.row_regions_per_block == 1 and pair.row_regions_per_block == 2 * 30 * 16 * 2
+        assert base.pack_s == [] and len(pair.pack_s) == 1 and base.pack_ms is None
         assert len(memcpy_s) == 1
         table = transfer.render_tp(args, dict(blocks=2, chunks=2, seed=0), [(group, rows, memcpy_s)])
         assert "SmolLM2 shape, 4 KV heads" in table and "2:1" in table
@@ -63,6 +69,8 @@ def test_a_two_rank_push_into_one_rank_lands_every_head_and_a_wrong_expectation_
         assert bench.tp_push(2, 1, "right", None, [[0, 4]]) > 0
         with pytest.raises(RuntimeError, match=r"receiving rank\(s\) \[0\] do not hold their KV heads"):
             bench.tp_push(2, 1, "wrong", None, [[2, 2]])
+        with pytest.raises(RuntimeError, match="posted 2 regions where the bench accounts for 3"):
+            bench.tp_push(2, 1, "miscounted", None, None, regions=3)
     finally:
         for w in reversed(workers):
             w.close()
