@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -76,7 +77,10 @@ def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -
     every process mapped it frees the memory with the last mapping. Huge pages are asked
     for (madvise) where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them
     (`advise`, `within_size`, `always`); elsewhere the pool is on 4 KiB pages."""
-    tensor = torch.from_file(str(path), shared=True, size=int(torch.Size(shape).numel()), dtype=dtype)
+    numel = int(torch.Size(shape).numel())
+    if not Path(path).exists():  # the maker reserves every page now: a tmpfs too small fails here, clearly,
+        _reserve(Path(path), numel * dtype.itemsize)  # rather than with SIGBUS at the first step that fills it
+    tensor = torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
     mode = _thp_mode(_SHMEM_THP_MODE)
     if mode not in ("advise", "within_size", "always"):
         log_choice("shared KV pool pages", "4 KiB", f"shared-memory huge pages are {mode} here")
@@ -85,3 +89,18 @@ def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -
     else:
         log_choice("shared KV pool pages", "2 MiB transparent huge pages", f"shared-memory huge pages are {mode}")
     return tensor.view(shape)
+
+
+def _reserve(path: Path, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.unlink(path)
+        free = os.statvfs(path.parent)
+        raise RuntimeError(f"cannot reserve {nbytes / 2**30:.2f} GiB of shared memory in {path.parent} "
+                           f"({e.strerror}; {free.f_bavail * free.f_frsize / 2**30:.2f} GiB free there): a "
+                           "tensor-parallel worker keeps its other ranks' KV pools there; give it more room "
+                           "(a container's --shm-size) or a smaller KV pool") from None
+    finally:
+        os.close(fd)

@@ -219,14 +219,15 @@ class KVPusher:
                                   agent.device_id, peer.info.device_id)] if len(packed) < len(theirs.ranks) else []
         block_bytes = theirs.layout.block_bytes
         staging = agent.staging() if packed else None
+        if packed and len(packed) * len(chunk.local) * block_bytes > staging.capacity:
+            # more than the whole staging area at once (a whole request moved between decode
+            # workers, say): regions per row, slow but sure, rather than wait for room never there
+            mine = [q for q in pieces if not q.whole]
+            rows.append(block_descriptors(mine, agent.side, theirs, chunk.local, chunk.remote,
+                                          agent.device_id, peer.info.device_id))
+            packed = []
         for d in packed:
-            try:
-                at = staging.take(len(chunk.local) * block_bytes)
-            except ValueError:  # larger than the whole staging area: regions per row, slow but sure
-                mine = [q for q in pieces if q.dst_rank == d]
-                rows.append(block_descriptors(mine, agent.side, theirs, chunk.local, chunk.remote,
-                                              agent.device_id, peer.info.device_id))
-                continue
+            at = staging.take(len(chunk.local) * block_bytes)
             if at is None:
                 self._unstage(chunk)
                 return None
@@ -241,6 +242,8 @@ class KVPusher:
             size = np.full(n, block_bytes, dtype=np.int64)
             rows.append((np.stack([src, size, np.full(n, agent.device_id, dtype=np.int64)], axis=1),
                          np.stack([dst, size, np.full(n, peer.info.device_id, dtype=np.int64)], axis=1)))
+        if packed and staging.buffer.is_cuda:  # the copies are queued on the device: done before NIXL reads
+            torch.cuda.current_stream(staging.buffer.device).synchronize()
         return np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
 
     def _unstage(self, chunk: _Chunk) -> None:
@@ -299,6 +302,7 @@ class KVPusher:
                 except Exception:
                     pass
             p.in_flight.remove(chunk)
+            self._unstage(chunk)  # nothing of it can land any more: its packed blocks are free
         if not p.in_flight:
             self._finish(p, PushStatus.FAILED, p.unconfirmed, p.failed)
 

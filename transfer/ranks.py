@@ -126,7 +126,13 @@ def _rows(addresses: np.ndarray, lengths: np.ndarray, device_id: int) -> np.ndar
 def pack_blocks(pieces: list[Piece], src_pools: list[torch.Tensor], local_blocks, out: torch.Tensor) -> None:
     """Write into `out` ([blocks, layers, 2, block_size, their rank's heads, head_dim]) one
     receiving rank's heads of our blocks `local_blocks`, from `pieces` (that rank's, none whole)."""
-    idx = torch.as_tensor(local_blocks, dtype=torch.int64)
-    for p in pieces:
+    one_run = len(pieces) == 1 and pieces[0].count == out.shape[-2]
+    if one_run:  # every head of theirs from one of our ranks: gathered straight into `out`, one pass
+        p = pieces[0]
         heads = src_pools[p.src_rank][..., p.src_head:p.src_head + p.count, :]
-        out[..., p.dst_head:p.dst_head + p.count, :].copy_(heads.index_select(0, idx))
+        torch.index_select(heads, 0, torch.as_tensor(local_blocks, dtype=torch.int64, device=out.device), out=out)
+        return
+    for i, block in enumerate(local_blocks):  # strided copies block by block: one pass, no temporary
+        for p in pieces:
+            out[i, ..., p.dst_head:p.dst_head + p.count, :].copy_(
+                src_pools[p.src_rank][block, ..., p.src_head:p.src_head + p.count, :])

@@ -82,6 +82,8 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
                                    device=args.device)
     if engine.ranks is not None:
         engine.ranks.on_lost = _end_with_lost_rank
+        if engine.ranks.lost:  # lost while the engine was still loading
+            _end_with_lost_rank(engine.ranks.lost)
         rank_metrics.register(engine.ranks.clocks)
         log.info("tensor-parallel group of %d ranks, %d threads each: ranks 1.. are pids %s",
                  args.tensor_parallel_size, args.threads, " ".join(map(str, engine.ranks.pids)))

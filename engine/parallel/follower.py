@@ -10,6 +10,7 @@ whose rank 0 died sees the pipe close and exits.
 from __future__ import annotations
 
 import os
+import signal
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -31,9 +32,9 @@ GROUP_TIMEOUT_S = 600
 
 def rank_device(device: str, rank: int) -> str:
     """The device a rank computes on: CPU ranks share the host; CUDA ranks take one device
-    each, rank r the r-th (`cuda` -> `cuda:r`)."""
-    kind = torch.device(device).type
-    return f"cuda:{rank}" if kind == "cuda" else device
+    each from rank 0's on (`cuda` or `cuda:0` -> `cuda:r`, `cuda:2` -> `cuda:2+r`)."""
+    d = torch.device(device)
+    return f"cuda:{(d.index or 0) + rank}" if d.type == "cuda" else device
 
 
 def join_group(rendezvous: str, size: int, rank: int, device: str = "cpu") -> None:
@@ -58,6 +59,10 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
                   num_threads: int, plans: Connection, clocks: RankClocks, pool_path: str | None = None) -> None:
     """`pool_path`: the file rank 0 made for this rank's KV pool (shared with it), or None
     for a pool of its own."""
+    # Ctrl-C, or a signal to the whole process group, is rank 0's to answer: it stops this
+    # rank itself (a rank dying on it would read as a lost rank in the middle of a drain)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     size = config.tensor_parallel_size
     device = rank_device(config.device, rank)

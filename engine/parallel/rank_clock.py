@@ -109,7 +109,8 @@ def straggler(window: list[RankTime]) -> str:
     waits = {t.rank: t.collective_s / t.steps for t in window}
     slowest = max(per_step, key=per_step.get)
     others = statistics.median(v for r, v in per_step.items() if r != slowest)
-    if per_step[slowest] < STRAGGLER_RATIO * others or per_step[slowest] - others < STRAGGLER_MIN_GAP_S:
+    if per_step[slowest] < STRAGGLER_RATIO * others or per_step[slowest] - others < STRAGGLER_MIN_GAP_S \
+            or others <= 0:
         return ""
     return (f"rank {slowest} computes {per_step[slowest] * 1e3:.1f} ms a step against the others' "
             f"{others * 1e3:.1f} ms ({per_step[slowest] / others:.1f}x), waiting {waits[slowest] * 1e3:.1f} ms in "

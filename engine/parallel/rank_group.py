@@ -54,12 +54,32 @@ class RankGroup:
             raise RuntimeError("this process already belongs to a process group: one tensor-parallel engine "
                                "per process")
         size = config.tensor_parallel_size
-        if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < size:
-            raise RuntimeError(f"tensor_parallel_size={size} on CUDA needs a device per rank; "
+        device = torch.device(config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + size:
+            raise RuntimeError(f"tensor_parallel_size={size} from {config.device} on CUDA needs a device per rank "
+                               f"(cuda:{device.index or 0}..cuda:{(device.index or 0) + size - 1}); "
                                f"{torch.cuda.device_count()} visible")
         self.clocks = RankClocks(size)  # every rank's step and collective times (engine/parallel/rank_clock.py)
         self.layouts = [TensorParallelLayout.of(config.model, size, rank) for rank in range(size)]
+        self._pipes, self._procs = [], []
+        self._closing = threading.Event()
+        self.lost: str | None = None
+        self.on_lost: Callable[[str], None] | None = None
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
+        self._shm = None
+        # from here on, whatever fails stops what was started and removes both folders
+        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir, self._closing)
+        try:
+            self._start(config, num_blocks, limits)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if self._shm:  # every rank mapped its pool (or failed): the memory lives while they are mapped
+                shutil.rmtree(self._shm, ignore_errors=True)
+
+    def _start(self, config: EngineConfig, num_blocks: int, limits: StepLimits) -> None:
+        size = config.tensor_parallel_size
         rendezvous = str(Path(self._dir) / "rendezvous")
         # With share_rank_pools (CPU), every follower's KV pool is memory shared with this
         # process, so the group's transfer agent (rank 0's) can register every rank's pool:
@@ -74,7 +94,6 @@ class RankGroup:
             shape = pool_shape(self.layouts[rank].local_config(config.model), num_blocks, config.cache.block_size)
             self.pools.append(kernels.memory.shared_zeros(paths[rank], shape, config.dtype))
         ctx = multiprocessing.get_context("spawn")
-        self._pipes, self._procs = [], []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=follower_main, daemon=True, name=f"tp-rank-{rank}",
@@ -84,22 +103,11 @@ class RankGroup:
             theirs.close()
             self._pipes.append(ours)
             self._procs.append(proc)
-        self._closing = threading.Event()
-        self.lost: str | None = None
-        self.on_lost: Callable[[str], None] | None = None
-        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._dir, self._closing)
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
-        try:
-            join_group(rendezvous, size, 0, config.device)
-            for rank, pipe in enumerate(self._pipes, start=1):
-                if not pipe.poll(READY_S) or pipe.recv() != "ready":
-                    raise RuntimeError(f"tensor-parallel rank {rank} did not start within {READY_S} s")
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            if self._shm:  # every rank mapped its pool (or failed): the memory lives while they are mapped
-                shutil.rmtree(self._shm, ignore_errors=True)
+        join_group(rendezvous, size, 0, config.device)
+        for rank, pipe in enumerate(self._pipes, start=1):
+            if not pipe.poll(READY_S) or pipe.recv() != "ready":
+                raise RuntimeError(f"tensor-parallel rank {rank} did not start within {READY_S} s")
 
     @property
     def pids(self) -> list[int]:

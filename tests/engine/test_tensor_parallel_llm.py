@@ -149,11 +149,13 @@ def test_a_rank_is_named_only_once_it_was_the_straggler_in_three_windows_in_a_ro
 
 def test_cuda_ranks_take_a_device_each_and_too_few_devices_are_refused(tmp_path, monkeypatch):
     assert (rank_device("cuda", 0), rank_device("cuda", 3), rank_device("cpu", 2)) == ("cuda:0", "cuda:3", "cpu")
+    assert rank_device("cuda:2", 1) == "cuda:3"  # from rank 0's device on
     folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
     config = EngineConfig(ModelConfig.from_pretrained(folder), folder, torch.float32, CacheConfig(num_blocks=8),
                           SchedulerConfig(max_model_len=256), device="cuda", tensor_parallel_size=2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the same answer on any machine
-    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 on CUDA needs a device per rank; 1 visible"):
+    with pytest.raises(RuntimeError, match=r"tensor_parallel_size=2 from cuda on CUDA needs a device per rank "
+                                           r"\(cuda:0..cuda:1\); 1 visible"):
         RankGroup(config, 8, StepLimits(16, 4, 16))
 
 

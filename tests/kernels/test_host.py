@@ -64,3 +64,20 @@ def test_the_kv_pool_is_zeroed_aligned_and_on_huge_pages_where_the_host_allows()
     assert not pool.any()
     if memory._thp_mode() in ("always", "madvise"):
         assert pool.data_ptr() % memory.HUGE_PAGE == 0
+
+
+def test_shared_memory_is_reserved_when_made_and_too_little_room_is_a_clear_error(tmp_path, monkeypatch):
+    from kernels import memory
+
+    a = memory.shared_zeros(tmp_path / "pool", (4, 8), torch.float32)
+    b = memory.shared_zeros(tmp_path / "pool", (4, 8), torch.float32)  # a second mapping of the same bytes
+    a[1, 2] = 5.0
+    assert b[1, 2] == 5.0 and (tmp_path / "pool").stat().st_blocks * 512 >= 4 * 8 * 4  # reserved, not sparse
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(memory.os, "posix_fallocate", full)
+    with pytest.raises(RuntimeError, match=r"cannot reserve 0.00 GiB of shared memory in .* \(No space left on "
+                                           r"device; .* GiB free there\).*--shm-size"):
+        memory.shared_zeros(tmp_path / "other", (4, 8), torch.float32)
+    assert not (tmp_path / "other").exists()

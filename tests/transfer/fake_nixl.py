@@ -47,6 +47,20 @@ class FakeNixl:
         self.made.append(FakeXfer(list(local_idx), list(remote_idx), notif))
         return self.made[-1]
 
+    def register_memory(self, tensor) -> str:  # a staging area's registration
+        return "registration"
+
+    def deregister_memory(self, registration) -> None:
+        pass
+
+    def get_xfer_descs(self, rows, mem_type: str):  # a tensor-parallel write's rows, kept as they are
+        return rows
+
+    def initialize_xfer(self, op, local_rows, remote_rows, peer: str, notif=b""):
+        assert op == "WRITE"
+        self.made.append(FakeXfer([tuple(r) for r in local_rows], [tuple(r) for r in remote_rows], notif))
+        return self.made[-1]
+
     def transfer(self, handle: FakeXfer) -> str:
         if self.post_error is not None:
             raise self.post_error
