@@ -7,13 +7,16 @@ A block is in exactly one of three states:
 The free queue is the LRU: freed blocks join the tail, allocation pops the head, and a
 block's hash is dropped only when it is popped for reuse (nano-vllm / vLLM v1 design).
 
-Pure Python and no torch; the hashes are common/block_hash.py's.
+Pure Python and no torch; the hashes are common/block_hash.py's. With `events` set, every
+hash that becomes findable or stops being so is recorded there, in order (engine/kv_events.py).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+
+from engine.kv_events import KVEventBuffer
 
 
 class BlockPool:
@@ -31,6 +34,7 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         # Invariant: keys == {b : _ref[b] == 0}; head = least recently freed = next evicted.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.events: KVEventBuffer | None = None  # set by a worker that publishes its cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -116,6 +120,13 @@ class BlockPool:
             return
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
+        if self.events is not None:
+            self.events.stored(block_hash)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash findable now (the owner thread's view: what a reader of `events` that
+        lost its place starts over from)."""
+        return list(self._block_of)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every hash; refused (False, nothing changes) while any block is in use."""
@@ -123,6 +134,8 @@ class BlockPool:
             return False
         self._block_of.clear()
         self._hash_of = [None] * self._num_blocks
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def check_invariants(self) -> None:
@@ -143,3 +156,5 @@ class BlockPool:
         if block_hash is not None:
             del self._block_of[block_hash]
             self._hash_of[block_id] = None
+            if self.events is not None:
+                self.events.removed(block_hash)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from common.block_hash import hash_block_tokens, salt_root
 from engine.block_pool import BlockPool
+from engine.kv_events import DEFAULT_CAPACITY, KVEventBuffer
 
 
 class KVCacheManager:
@@ -86,6 +87,18 @@ class KVCacheManager:
             parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
             self.pool.cache_block(table[i], parent)
             hashes.append(parent)
+
+    def record_events(self, capacity: int = DEFAULT_CAPACITY) -> KVEventBuffer:
+        """From now on record which hashes become findable and which stop being so, in
+        order (engine/kv_events.py); returns the buffer, which the caller drains on this
+        manager's thread (with `cached_hashes` to start over from when it says `lost`)."""
+        if self.pool.events is None:
+            self.pool.events = KVEventBuffer(capacity)
+        return self.pool.events
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every block hash findable now."""
+        return self.pool.cached_hashes()
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached hashes and the hit-rate stat; False (no change) while blocks are in use."""

@@ -30,6 +30,7 @@ from engine.grammar import MAX_COMPILE_WAITERS, Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEventBuffer
 from engine.model import CausalLM
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.outputs import RequestOutput
@@ -287,6 +288,15 @@ class LLMEngine:
         sch, kv = self.scheduler, self.kv_manager
         return EngineStats(sch.num_waiting, sch.waiting_tokens, sch.num_running, kv.num_free_blocks,
                            kv.num_total_blocks, kv.block_size, kv.prefix_cache_hit_rate, sch.num_preemptions)
+
+    def record_kv_events(self) -> KVEventBuffer:
+        """The prefix cache's stored and removed block hashes from now on (engine/kv_events.py),
+        drained by the caller on the engine's thread."""
+        return self.kv_manager.record_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash the prefix cache finds now (engine's thread)."""
+        return self.kv_manager.cached_hashes()
 
     def num_cached_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
         """Prompt tokens the prefix cache would serve now."""
