@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from common.finish_reason import FinishReason
 from common.grammar_spec import Grammar
+from common.kv_events import KVEventsSince
 from common.sampling_params import SamplingParams
 from common.token_logprobs import TokenLogprobs
 from rpc import pdserve_pb2 as pb
@@ -90,6 +91,14 @@ def stats_to_pb(worker: str, e: EngineStats, step_seconds: float, kv_blocks_tran
         prefix_cache_hit_rate=e.prefix_cache_hit_rate, step_seconds=step_seconds, preemptions=e.num_preemptions,
         kv_blocks_transferred=kv_blocks_transferred, block_size=e.block_size,
         prefill_tokens_per_s=prefill_tokens_per_s, deep_probes=deep_probes)
+
+
+def kv_events_to_pb(e: KVEventsSince) -> pb.KVEvents:
+    return pb.KVEvents(last=e.last, resync=e.resync, stored=e.stored, removed=e.removed)
+
+
+def kv_events_from_pb(msg: pb.KVEvents) -> KVEventsSince:
+    return KVEventsSince(msg.last, msg.resync, list(msg.stored), list(msg.removed))
 
 
 def local_prefill_name(reason: int) -> str:

@@ -23,11 +23,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from common import envs, trace
+from engine.kv_events import KVEventBatch
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.parallel.rank_clock import StragglerWatch
 from engine.scheduler import SchedulerOutput
 from worker import metrics, step_log
 from worker.holdings import Holdings, loop_wait_s
+from worker.kv_event_log import KVEventLog
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,11 @@ class EngineLoop:
         self.calls = OpenCalls()  # the role's request calls (Generate, Prefill) not ended yet
         # a tensor-parallel worker's slow rank, judged at each deep health check (a window each)
         self.stragglers = StragglerWatch(engine.ranks.clocks) if engine.ranks is not None else None
+        # The prefix cache's events, numbered for the gateways' Stats (worker/kv_event_log.py):
+        # the engine's buffer is drained into the log at the end of each iteration.
+        self._kv_buffer = engine.record_kv_events()
+        self.kv_events = KVEventLog()
+        self.kv_events.take(KVEventBatch([], lost=True), engine.cached_block_hashes)  # what it holds already
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -371,6 +378,8 @@ class EngineLoop:
                 gap = None if self._last_step_end is None else t0 - self._last_step_end
                 step_log.record(trace.process(), self._shape, stats.seconds, t0, ended, gap)
                 self._last_step_end = ended
+        if self._kv_buffer.pending:
+            self.kv_events.take(self._kv_buffer.drain(), self.engine.cached_block_hashes)
         return busy
 
     def _drain(self) -> bool:

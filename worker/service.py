@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
-from rpc.convert import health_to_pb, stats_to_pb
+from rpc.convert import health_to_pb, kv_events_to_pb, stats_to_pb
 from worker.role_change import RoleChange, RoleChanges
 
 # An idle worker's probe is one token through the loop, which picks it up within a
@@ -46,6 +46,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         sched = w.engine.config.scheduler  # what it holds at most: the gateway sizes open tenants by it
         stats.max_num_seqs = sched.max_num_seqs
         stats.max_waiting = sched.max_waiting or 0  # a worker process always bounds it (--max-waiting)
+        if request.kv_events:  # a cursor of another incarnation means nothing here: a resync
+            cursor = request.kv_events_after if request.kv_events_of == w.name else None
+            stats.kv_events.CopyFrom(kv_events_to_pb(w.kv_events.since(cursor)))
         return stats
 
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsResponse:

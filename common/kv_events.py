@@ -1,0 +1,19 @@
+"""A worker's prefix-cache events as a reader applies them: what crosses from a worker's
+event log (worker/kv_event_log.py) through Stats (rpc/convert.py) to the gateway's prefix
+index (gateway/prefix_index.py)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class KVEventsSince(NamedTuple):
+    """The block hashes (common/block_hash.py) that became findable on a worker (`stored`)
+    and stopped being so (`removed`) after the reader's cursor: each hash's last event, so
+    the two are disjoint. With `resync`, `stored` is the worker's whole set, which replaces
+    what the reader held for it. `last` is the reader's next cursor."""
+
+    last: int
+    resync: bool
+    stored: list[bytes]
+    removed: list[bytes]
