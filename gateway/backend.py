@@ -91,9 +91,10 @@ class Backend:
         except grpc.RpcError as e:
             return pb.HealthResponse(ok=False, detail=f"no answer: {e.code().name}")
 
-    async def stats(self, address: str, timeout: float = 1.0) -> pb.StatsResponse | None:
+    async def stats(self, address: str, request: pb.StatsRequest | None = None,
+                    timeout: float = 1.0) -> pb.StatsResponse | None:
         try:
-            return await self._stub(address).Stats(pb.StatsRequest(), timeout=timeout)
+            return await self._stub(address).Stats(request or pb.StatsRequest(), timeout=timeout)
         except grpc.RpcError:
             return None
 
@@ -109,9 +110,11 @@ class Backend:
         results = await asyncio.gather(*(self.metrics(a) for a in self.decode + self.prefill))
         return [r for r in results if r is not None]
 
-    async def all_stats(self) -> dict[str, pb.StatsResponse | None]:
+    async def all_stats(self, requests: dict[str, pb.StatsRequest] | None = None) -> dict[str, pb.StatsResponse | None]:
+        """Every worker's Stats; `requests`: what to ask each (by address; plain Stats otherwise)."""
         addresses = self.decode + self.prefill
-        results = await asyncio.gather(*(self.stats(a) for a in addresses))
+        requests = requests or {}
+        results = await asyncio.gather(*(self.stats(a, requests.get(a)) for a in addresses))
         return dict(zip(addresses, results))
 
     async def close(self) -> None:

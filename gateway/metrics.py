@@ -68,10 +68,20 @@ class Slo:
 SLO = Slo()
 for _met in ("yes", "no"):
     SLO_REQUESTS.labels(_met)
+PREFIX_ROUTES = Counter("pdserve_prefix_routes", "Requests ranked by the router, by pool and by what put the first "
+                        "worker first: index (the prefix index says it holds the prompt's leading blocks), hash "
+                        "(the index had nothing: rendezvous hash of the first blocks), load (the favourite was "
+                        "overloaded)", ["pool", "by"])
+for _by in ("index", "hash", "load"):
+    PREFIX_ROUTES.labels("prefill", _by)
+PREFIX_MATCHED_BLOCKS = Counter("pdserve_prefix_matched_blocks", "Prompt blocks the prefix index says the worker "
+                                "ranked first holds cached, by pool", ["pool"])
+PREFIX_MATCHED_BLOCKS.labels("prefill")
 WORKER_GAUGES = {
     "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
     "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
+    "prefix_index_blocks": "Cached blocks the gateway's prefix index holds for the worker (this process's index)",
 }  # pdserve_worker_<name>{worker}: its help text
 
 
@@ -102,8 +112,9 @@ class WorkerGauges:
     def __init__(self):
         self.exported: set[str] = set()  # workers with series in the /metrics gauges
 
-    def export(self, stats: dict[str, pb.StatsResponse | None]) -> None:
-        """Every answering worker's Stats into its gauges; the series of the others removed."""
+    def export(self, stats: dict[str, pb.StatsResponse | None], index_blocks: dict[str, int]) -> None:
+        """Every answering worker's Stats into its gauges, with the blocks the prefix index
+        holds for it (by address); the series of the others removed."""
         series = _WORKER_SERIES.by_worker
         live = {(s.worker or address) for address, s in stats.items() if s is not None}
         for gone in self.exported - live:  # a replaced incarnation: its series end
@@ -115,11 +126,12 @@ class WorkerGauges:
                     "kv_blocks_free": s.free_blocks, "kv_blocks_total": s.total_blocks,
                     "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
                     "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-                    "kv_blocks_transferred": s.kv_blocks_transferred}
+                    "kv_blocks_transferred": s.kv_blocks_transferred,
+                    "prefix_index_blocks": index_blocks.get(address, 0)}
 
 
 _OWN = (REQUESTS, TTFT, E2E, TPOT, REJECTIONS, RETRIES, PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_LENGTHS,
-        OUTPUT_LENGTHS, SLO_REQUESTS)  # every counter and histogram above
+        OUTPUT_LENGTHS, SLO_REQUESTS, PREFIX_ROUTES, PREFIX_MATCHED_BLOCKS)  # every counter and histogram above
 
 
 def count_across_processes(folder: Path) -> None:

@@ -1,6 +1,6 @@
 """What the gateway knows of its workers: deep health rounds (the router skips workers that
-fail them) and Stats (KV headroom for routing, measured capacity for admission, gauges for
-/metrics). One round at a time: callers that come while one runs share its result, so a
+fail them) and Stats (KV headroom for routing, the prefix cache's events for the router's
+prefix index, measured capacity for admission, gauges for /metrics). One round at a time: callers that come while one runs share its result, so a
 flood of /ready or /metrics costs the workers one round, not one each."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from gateway.backend import Backend
 from gateway.metrics import WorkerGauges
 from gateway.router import Router
 from rpc import pdserve_pb2 as pb
+from rpc.convert import kv_events_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +95,13 @@ class Readiness:
 
     async def _stats_round(self) -> tuple[float, dict[str, pb.StatsResponse | None]]:
         """Every worker's Stats, and when they were asked for (what they can have seen)."""
-        asked = time.monotonic()
-        return asked, await self.backend.all_stats()
+        asked, index = time.monotonic(), self.router.index
+        requests = {}
+        for w in self.router.decode + self.router.prefill:  # each asks its prefix-cache events after its cursor
+            cursor = index.cursor(w.address)
+            requests[w.address] = (pb.StatsRequest(kv_events=True) if cursor is None else
+                                   pb.StatsRequest(kv_events=True, kv_events_of=cursor[0], kv_events_after=cursor[1]))
+        return asked, await self.backend.all_stats(requests)
 
     def _observe_stats(self, asked: float, stats: dict[str, pb.StatsResponse | None]) -> None:
         router = self.router
@@ -104,8 +110,11 @@ class Readiness:
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens, asked_at=asked,
                           max_sequences=s.max_num_seqs + s.max_waiting)
+                router.block_size = s.block_size  # the prompt's block hashes must be the workers' blocks
+            if s is not None and s.worker and s.HasField("kv_events"):
+                router.index.apply(w.address, s.worker, kv_events_from_pb(s.kv_events))
         # admission's prior: the prompt tokens per second the prefilling pool measured itself at
         prefilling = router.prefill or router.decode
         self.admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling
                                             if w.healthy and (s := stats.get(w.address)) is not None))
-        self.gauges.export(stats)
+        self.gauges.export(stats, {a: router.index.size(a) for a in stats})

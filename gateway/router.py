@@ -1,17 +1,25 @@
 """Which workers serve a request: the decode worker with the least outstanding tokens among
-those with KV headroom for the prompt, and the prefill workers ranked by rendezvous hash of the prompt's first full blocks, so a
-shared system prompt keeps landing on the same prefill worker's prefix cache, unless that
-worker's queue is much longer than the least-loaded one's: then the least-loaded goes first."""
+those with KV headroom for the prompt, and the prefill workers ranked by how much of the
+prompt's prefix each holds cached (the prefix index the workers' KV events feed:
+gateway/prefix_index.py), then by rendezvous hash of the prompt's first full blocks, so a
+shared system prompt the index knows nothing of yet keeps landing on the same prefill
+worker, unless that worker's queue is much longer than the least-loaded one's: then the
+least-loaded goes first."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from common.block_hash import block_hashes
+from gateway import metrics
+from gateway.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
 
 AFFINITY_BLOCKS = 4  # how many leading full blocks decide the favourite prefill worker
 OVERLOAD_TOKENS = 2048  # a favourite this many queued prompt tokens behind the least-loaded is overloaded
@@ -88,6 +96,7 @@ class Router:
         self.decode: list[WorkerState] = []
         self.prefill: list[WorkerState] = []
         self.block_size = block_size
+        self.index = PrefixIndex()
         self.set_workers(decode, prefill)
 
     def set_workers(self, decode: list[str], prefill: list[str]) -> None:
@@ -95,6 +104,7 @@ class Router:
         known = {w.address: w for w in self.decode + self.prefill}
         self.decode = [known.get(a) or WorkerState(a) for a in dict.fromkeys(decode)]
         self.prefill = [known.get(a) or WorkerState(a) for a in dict.fromkeys(prefill)]
+        self.index.retain(w.address for w in self.decode + self.prefill)
 
     def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset()) -> WorkerState:
         """The healthy decode worker with the least outstanding tokens, preferring those with KV
@@ -136,19 +146,29 @@ class Router:
         return any(w is not worker for w in self.decode)
 
     def rank_prefill(self, prompt: list[int], cache_salt: str = "") -> list[str]:
-        """Prefill workers, the prompt's favourite first (healthy ones only). The affinity key
-        is the prompt's first block hashes under the request's cache salt: the same blocks
-        the worker's prefix cache would find."""
+        """Prefill workers, the prompt's favourite first (healthy ones only): the most of the
+        prompt's leading blocks cached first, as the prefix index knows them, then by
+        rendezvous hash of the first blocks. Both use the prompt's block hashes under the
+        request's cache salt: the same blocks the worker's prefix cache would find."""
         live = [w for w in self.prefill if w.healthy]
         if not live:
             return []
-        key = (b"".join(block_hashes(prompt, self.block_size, cache_salt)[:AFFINITY_BLOCKS])
-               or bytes(f"{cache_salt}{prompt[:8]}", "utf-8"))
-        ranked = sorted(live, key=lambda w: _score(key, w.address), reverse=True)
+        hashes = block_hashes(prompt, self.block_size, cache_salt)
+        matched = self.index.longest_prefix([w.address for w in live], hashes)
+        key = b"".join(hashes[:AFFINITY_BLOCKS]) or bytes(f"{cache_salt}{prompt[:8]}", "utf-8")
+        ranked = sorted(live, key=lambda w: (matched.get(w.address, 0), _score(key, w.address)), reverse=True)
         least = min(ranked, key=lambda w: w.waiting_tokens)
-        if ranked[0].waiting_tokens - least.waiting_tokens > OVERLOAD_TOKENS:
+        overloaded = ranked[0].waiting_tokens - least.waiting_tokens > OVERLOAD_TOKENS
+        if overloaded:
             ranked.remove(least)
             ranked.insert(0, least)
+        first = ranked[0].address
+        by = "load" if overloaded else "index" if matched.get(first) else "hash"
+        metrics.PREFIX_ROUTES.labels("prefill", by).inc()
+        metrics.PREFIX_MATCHED_BLOCKS.labels("prefill").inc(matched.get(first, 0))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("prefill ranked by %s: %s first, %d of %d blocks cached there (index: %s)", by, first,
+                      matched.get(first, 0), len(hashes), matched or "nothing for this prompt")
         return [w.address for w in ranked]
 
 

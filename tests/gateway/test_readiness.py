@@ -26,7 +26,7 @@ class _Workers:
             await self.release.wait()
         return pb.HealthResponse(ok=True)
 
-    async def all_stats(self) -> dict:
+    async def all_stats(self, requests=None) -> dict:
         return {}
 
 
