@@ -51,3 +51,27 @@ def load_hf(folder: Path, dtype=torch.float64):
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval()
+
+
+# SmolLM2-135M's shape (hidden, layers, MLP, vocabulary, context, rope, tied embeddings):
+# a model of its size with other head counts, for a benchmark whose degree SmolLM2's 9
+# query / 3 KV heads do not allow.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, vocab_size=49152,
+                     max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def write_sized_checkpoint(folder: Path, num_heads: int, num_kv_heads: int, head_dim: int, seed: int = 0,
+                           **shape) -> Path:
+    """A random-weight Llama checkpoint of SMOLLM2_SHAPE (each key overridable), with the
+    given heads. transformers' own initialisation (normal, std 0.02): activations stay in
+    float range at any depth, no denormals to slow a timing down. For timing, not for text."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**SMOLLM2_SHAPE, **shape}, num_attention_heads=num_heads,
+                                   num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    return folder
