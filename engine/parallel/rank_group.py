@@ -131,8 +131,7 @@ class RankGroup:
             return
         rank = sentinels[ended[0]]
         proc = self._procs[rank - 1]
-        proc.join(1)  # its exit code is set once it is reaped
-        self.lost = f"rank {rank} is gone (pid {proc.pid}, exit code {proc.exitcode})"
+        self.lost = f"rank {rank} is gone (pid {proc.pid}, exit code {_exit_code(proc.pid)})"
         log.error("tensor-parallel %s", self.lost)
         shutil.rmtree(self._dir, ignore_errors=True)  # the group is over: nothing reads its rendezvous
         if self.on_lost is not None:
@@ -143,6 +142,18 @@ class RankGroup:
         self._closer()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _exit_code(pid: int) -> int | None:
+    """An ended child's exit code (negative: the signal that killed it), read without reaping
+    it: whoever joins the process (close, a caller) still gets its code."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:  # reaped already
+        return None
+    if info is None:
+        return None
+    return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
 
 
 def _shared_folder() -> str:

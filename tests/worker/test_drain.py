@@ -183,7 +183,7 @@ def test_a_drain_that_hands_off_ends_in_steps_and_its_streams_go_on_exactly(work
         d_log, b_log = d.log_path.read_text(errors="replace"), b.log_path.read_text(errors="replace")
         assert d_log.count("kept KV pushed to its taker") == len(bodies), d_log[-3000:]
         assert b_log.count(f"KV from {d.address}") == len(bodies), b_log[-3000:]
-        assert "prefilling locally" not in b_log and "local_prefill" not in b_log
+        assert "prefilling locally" not in b_log and '"event":"local_prefill"' not in b_log
         assert metric_value(after, "pdserve_decode_retries_total", when="handed_off") == \
             metric_value(before, "pdserve_decode_retries_total", when="handed_off") + len(bodies)
         _sigterm_exits_cleanly(d)
