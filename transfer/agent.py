@@ -31,7 +31,7 @@ class UnknownPeerError(KeyError):
 class Peer:
     name: str
     info: TransferInfo
-    dlist: object  # NIXL prepared descriptor list of the peer's pool regions
+    dlist: object  # NIXL prepared descriptor list of the peer's pool regions (None with a tensor-parallel side)
 
 
 def _nixl():
@@ -105,8 +105,10 @@ class TransferAgent:
         if name != info.agent_name:
             self.nixl.remove_remote_agent(name)
             raise HandshakeError(f"agent metadata names {name!r} but the info says {info.agent_name!r}")
-        dlist = self.nixl.prep_xfer_dlist(name, region_table(info.base_addr, info.layout, info.device_id),
-                                          info.mem_type)  # the peer's memory kind, which may differ from ours
+        # the prepped list of a one-rank pair's writes; a tensor-parallel side writes through
+        # descriptors made per chunk (transfer/ranks.py), so nothing is prepared for it
+        dlist = None if self.ranks or info.ranks else self.nixl.prep_xfer_dlist(
+            name, region_table(info.base_addr, info.layout, info.device_id), info.mem_type)  # the peer's kind
         self.peers[name] = Peer(name, info, dlist)
         return name
 
@@ -136,7 +138,8 @@ class TransferAgent:
         peer = self.peers.pop(name, None)
         if peer is None:
             return
-        peer.dlist.release()
+        if peer.dlist is not None:
+            peer.dlist.release()
         try:
             self.nixl.remove_remote_agent(name)
         except Exception as e:  # a dead peer may fail to disconnect cleanly; it is gone either way

@@ -103,16 +103,22 @@ def straggler(window: list[RankTime]) -> str:
     """The rank that held the group back over `window` (each rank's times since the last
     look), as a sentence for a health answer; "" when none did: every rank's compute per
     step is within STRAGGLER_RATIO of the median of the others', or too few steps ran."""
+    found = _straggler(window)
+    return found[1] if found else ""
+
+
+def _straggler(window: list[RankTime]) -> tuple[int, str] | None:
+    """(rank, sentence) of `straggler`, or None."""
     if len(window) < 2 or min(t.steps for t in window) < STRAGGLER_MIN_STEPS:
-        return ""
+        return None
     per_step = {t.rank: t.compute_s / t.steps for t in window}
     waits = {t.rank: t.collective_s / t.steps for t in window}
     slowest = max(per_step, key=per_step.get)
     others = statistics.median(v for r, v in per_step.items() if r != slowest)
     if per_step[slowest] < STRAGGLER_RATIO * others or per_step[slowest] - others < STRAGGLER_MIN_GAP_S \
             or others <= 0:
-        return ""
-    return (f"rank {slowest} computes {per_step[slowest] * 1e3:.1f} ms a step against the others' "
+        return None
+    return slowest, (f"rank {slowest} computes {per_step[slowest] * 1e3:.1f} ms a step against the others' "
             f"{others * 1e3:.1f} ms ({per_step[slowest] / others:.1f}x), waiting {waits[slowest] * 1e3:.1f} ms in "
             f"collectives while they wait {statistics.median(w for r, w in waits.items() if r != slowest) * 1e3:.1f} "
             f"ms, over {min(t.steps for t in window)} steps")
@@ -139,8 +145,8 @@ class StragglerWatch:
         self._last = now
         if min(t.steps for t in window) < STRAGGLER_MIN_STEPS:
             return self.verdict
-        said = straggler(window)
-        rank = int(said.split()[1]) if said else None
+        found = _straggler(window)
+        rank, said = found if found else (None, "")
         self._run = self._run + 1 if rank is not None and rank == self._rank else int(rank is not None)
         self._rank = rank
         self.verdict = f"{said}, in {self._run} windows in a row" if self._run >= self.windows else ""
