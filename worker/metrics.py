@@ -28,6 +28,12 @@ QUEUE_SECONDS = Histogram(
 PROMPT_TOKENS = Counter("pdserve_engine_prompt_tokens", "Prompt tokens of the requests this worker scheduled")
 PREFIX_HIT_TOKENS = Counter("pdserve_engine_prefix_cache_hit_tokens",
                             "Prompt tokens served by this worker's prefix cache (not computed, not transferred)")
+# Where the prefix cache's hits came from before they were hits: blocks brought into the pool
+# instead of computed, from the worker's disk tier (engine/disk_tier.py) or from a sibling
+# worker's pool over NIXL (decode/prefix_fetch.py). Tokens, a block's worth each.
+PREFIX_TIER_TOKENS = Counter("pdserve_engine_prefix_tier_tokens",
+                             "Prompt tokens brought into this worker's KV pool from a lower tier instead of "
+                             "computed, by tier: disk or sibling", ["tier"])
 
 
 _STEP_METRICS = envs.step_metrics_enabled()  # read once: this runs every step
