@@ -9,6 +9,9 @@ block's hash is dropped only when it is popped for reuse (nano-vllm / vLLM v1 de
 
 Pure Python and no torch; the hashes are common/block_hash.py's. With `events` set, every
 hash that becomes findable or stops being so is recorded there, in order (engine/kv_events.py).
+With `lower` set (the disk tier, engine/lower_tier.py), a cached block is handed to it as its
+hash is evicted for reuse, while its KV is still intact (a reset of the prefix cache saves
+nothing: no block is reused).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from engine.kv_events import KVEventBuffer
+from engine.lower_tier import LowerTier
 
 
 class BlockPool:
@@ -35,6 +39,7 @@ class BlockPool:
         # Invariant: keys == {b : _ref[b] == 0}; head = least recently freed = next evicted.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.events: KVEventBuffer | None = None  # set by a worker that publishes its cache
+        self.lower: LowerTier | None = None  # where evicted cached blocks go (the disk tier)
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +71,8 @@ class BlockPool:
         blocks: list[int] = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            if self.lower is not None and self._hash_of[block_id] is not None:
+                self.lower.save(self._hash_of[block_id], block_id)  # before the step overwrites it
             self._drop_hash(block_id)
             self._ref[block_id] = 1
             blocks.append(block_id)

@@ -186,12 +186,15 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV pool: `num_blocks` blocks of `block_size` tokens."""
+    """The paged KV pool: `num_blocks` blocks of `block_size` tokens; with `disk_dir`, the
+    prefix cache's disk tier there, at most `disk_bytes` (engine/disk_tier.py)."""
 
     block_size: int = 16
     num_blocks: int | None = None  # None: derived from memory_gib
     memory_gib: float = 1.0
     enable_prefix_caching: bool = True
+    disk_dir: str | None = None  # None: no disk tier
+    disk_bytes: int = 4 << 30
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -200,6 +203,10 @@ class CacheConfig:
             raise ValueError(f"num_blocks={self.num_blocks}: must be >= 1")
         if self.memory_gib <= 0:
             raise ValueError(f"memory_gib={self.memory_gib}: must be > 0")
+        if self.disk_bytes <= 0:
+            raise ValueError(f"disk_bytes={self.disk_bytes}: must be > 0")
+        if self.disk_dir is not None and not self.enable_prefix_caching:
+            raise ValueError("a disk tier (disk_dir) needs prefix caching: its blocks are found by their hashes")
 
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_blocks is not None:

@@ -9,6 +9,11 @@ Scheduler protocol for one request:
     kv.free(rid)                                                # finished or preempted
 get_computed_blocks and the first allocate_slots must run with no allocation in between,
 since a cached block that sits in the free queue may be evicted by any allocate.
+
+With a lower tier (the disk tier, `use_lower_tier`), get_computed_blocks first brings the
+blocks of the prompt that the pool lacks and the tier holds into the pool (allocated, read,
+cached, freed), then walks the pool as before: the bringing-in allocates before the walk,
+never between the walk and allocate_slots.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from collections.abc import Sequence
 from common.block_hash import hash_block_tokens, salt_root
 from engine.block_pool import BlockPool
 from engine.kv_events import DEFAULT_CAPACITY, KVEventBuffer
+from engine.lower_tier import LowerTier
 
 
 class KVCacheManager:
@@ -33,12 +39,21 @@ class KVCacheManager:
         self._hashes: dict[str, list[bytes]] = {}
         self._query_tokens = 0
         self._hit_tokens = 0
+        self.lower: LowerTier | None = None
+        self.lower_tier_tokens = 0  # prompt tokens brought in from the lower tier, ever
+
+    def use_lower_tier(self, tier: LowerTier) -> None:
+        """From now on evicted cached blocks go to `tier` and prompts' missing blocks come
+        back from it (engine/lower_tier.py)."""
+        self.lower = self.pool.lower = tier
 
     # -- prefix cache -----------------------------------------------------------------
 
     def get_computed_blocks(self, token_ids: Sequence[int], salt: str = "") -> tuple[list[int], int]:
         """Longest cached prefix of full blocks, leaving at least one token to compute.
         `salt`: only blocks cached under the same salt match (common/block_hash.salt_root).
+        With a lower tier, the run of blocks it holds right after the pool's hits is brought
+        into the pool first (when the pool can spare the blocks).
 
         Returns (block_ids, num_cached_tokens). Reference counts are not changed; pass
         block_ids to allocate_slots to take them.
@@ -48,9 +63,14 @@ class KVCacheManager:
             # At least one token must be computed to produce logits for the next token.
             max_blocks = max(len(token_ids) - 1, 0) // self.block_size
             parent = salt_root(salt)
+            brought_in = self.lower is None
             for i in range(max_blocks):
                 parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block_id = self.pool.lookup(parent)
+                if block_id is None and not brought_in:
+                    brought_in = True  # once: a later miss is the tier's miss too, or a gap
+                    self._bring_in(blocks, parent, token_ids, i, max_blocks)
+                    block_id = self.pool.lookup(parent)
                 if block_id is None:
                     break
                 blocks.append(block_id)
@@ -60,11 +80,54 @@ class KVCacheManager:
         return blocks, num_cached_tokens
 
     def num_cached_tokens(self, token_ids: Sequence[int], salt: str = "") -> int:
-        """What get_computed_blocks would find now, without counting it in the hit-rate stat."""
-        queries, hits = self._query_tokens, self._hit_tokens
-        _, num_cached = self.get_computed_blocks(token_ids, salt)
-        self._query_tokens, self._hit_tokens = queries, hits
-        return num_cached
+        """Prompt tokens get_computed_blocks would find now, without counting them in the
+        hit-rate stat and without reading the lower tier: the pool's hits, then the blocks
+        the tier holds right after them (what it would bring in, if the pool can spare them)."""
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = max(len(token_ids) - 1, 0) // self.block_size
+        parent = salt_root(salt)
+        for i in range(max_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.pool.lookup(parent) is None and (self.lower is None or not self.lower.has(parent)):
+                return i * self.block_size
+        return max_blocks * self.block_size
+
+    def _bring_in(self, held: list[int], first: bytes, token_ids: Sequence[int], start: int,
+                  max_blocks: int) -> None:
+        """Blocks `start..` of the prompt (`first` is block `start`'s hash), missing from the
+        pool, held by the lower tier: allocate, read, cache them under their hashes, free.
+        `held`: the pool's hits before them, pinned meanwhile so the allocation cannot take
+        them. A block the tier fails to read ends the run there (the rest are computed)."""
+        assert self.lower is not None
+        if not self.lower.has(first):
+            return
+        run = [first]
+        parent = first
+        for i in range(start + 1, max_blocks):
+            parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            if self.pool.lookup(parent) is not None or not self.lower.has(parent):
+                break
+            run.append(parent)
+        # Skip the bringing-in rather than take blocks the request itself, or the pool's
+        # hits it pins, need: a nearly full pool then computes instead of failing.
+        pinned_free = sum(1 for b in held if self.pool.ref_count(b) == 0)
+        if len(run) > self.pool.num_free_blocks - pinned_free:
+            return
+        self.pool.touch(held)
+        new_blocks = self.pool.allocate(len(run))
+        assert new_blocks is not None  # checked above
+        loaded = 0
+        for block_hash, block_id in zip(run, new_blocks):
+            if not self.lower.load(block_hash, block_id):
+                break
+            self.pool.cache_block(block_id, block_hash)
+            loaded += 1
+        self.lower_tier_tokens += loaded * self.block_size
+        # Freed in the order they should be reused (the free queue's tail goes last): blocks
+        # left empty by a failed read, then the prompt's tail, its head last.
+        self.pool.free(new_blocks[loaded:])
+        self.pool.free(reversed(held + new_blocks[:loaded]))
 
     def cache_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                      salt: str = "") -> None:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,7 @@ from common.grammar_spec import GrammarError
 from common.sampling_params import SamplingParams
 from engine.cached_compiler import Busy as CompilerBusy
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.disk_tier import DiskTier, DiskTierStats, checkpoint_fingerprint, compatibility_key
 from engine.grammar import MAX_COMPILE_WAITERS, Grammars
 from engine.host_memory import keep_freed_memory
 from engine.kv_cache import KVCache
@@ -111,7 +113,12 @@ class LLMEngine:
         # With tensor parallelism this process is rank 0: its pool holds its KV heads only,
         # and the memory budget is each rank's.
         layout = kv_cfg = self.ranks = None
+        self.disk_tier: DiskTier | None = None
         if config.tensor_parallel_size > 1:
+            if config.cache.disk_dir is not None:
+                raise ValueError(f"a disk tier ({config.cache.disk_dir}) is not supported with tensor parallelism "
+                                 f"(tensor_parallel_size={config.tensor_parallel_size}): each rank's pool holds "
+                                 "its own KV heads; serve it without the disk tier")
             if model is not None:
                 raise ValueError("a tensor-parallel engine loads its own weights: it cannot run another's")
             layout = TensorParallelLayout.of(config.model, config.tensor_parallel_size, 0)  # refuses a wrong degree
@@ -133,6 +140,11 @@ class LLMEngine:
         self.kv_cache = KVCache(kv_cfg or config.model, num_blocks + 1, config.cache.block_size, config.dtype,
                                 config.device)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        if config.cache.disk_dir is not None:
+            key = compatibility_key(config.model, checkpoint_fingerprint(config.model_path), config.dtype,
+                                    config.cache.block_size)
+            self.disk_tier = DiskTier(Path(config.cache.disk_dir), key, self.kv_cache.pool, config.cache.disk_bytes)
+            self.kv_manager.use_lower_tier(self.disk_tier)
         eos = frozenset(config.model.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, eos)
         if self.ranks is None:
@@ -171,9 +183,12 @@ class LLMEngine:
                                 share_rank_pools=share_rank_pools))
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one rank). Bounded."""
+        """Stop the other tensor-parallel ranks (nothing to do on one rank) and the disk
+        tier's writer (after what it has queued). Bounded."""
         if self.ranks is not None:
             self.ranks.close()
+        if self.disk_tier is not None:
+            self.disk_tier.close()
 
     def over_weights_of(self, cache: CacheConfig, scheduler: SchedulerConfig) -> LLMEngine:
         """A new engine, with its own KV pool and scheduler sized by `cache` and `scheduler`,
@@ -186,6 +201,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len={scheduler.max_model_len} exceeds the model's "
                              f"limit of {self.config.model.max_model_len}")
         model, config = self.model, replace(self.config, cache=cache, scheduler=scheduler)
+        if self.disk_tier is not None:  # the new engine opens its own (another folder, maybe)
+            self.disk_tier.close()
         self.model = self.runner = self.kv_cache = None  # its KV pool is freed before the new one is made
         return LLMEngine(config, model)
 
@@ -299,8 +316,19 @@ class LLMEngine:
         return self.kv_manager.cached_hashes()
 
     def num_cached_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
-        """Prompt tokens the prefix cache would serve now."""
+        """Prompt tokens the prefix cache would serve now: the pool's, and the disk tier's
+        right after them (counted, not read)."""
         return self.kv_manager.num_cached_tokens(prompt_token_ids, cache_salt)
+
+    @property
+    def disk_tier_tokens(self) -> int:
+        """Prompt tokens brought into the pool from the disk tier instead of computed, ever
+        (a worker observes the increase after each step)."""
+        return self.kv_manager.lower_tier_tokens
+
+    def disk_tier_stats(self) -> DiskTierStats | None:
+        """The disk tier's state (any thread); None without one."""
+        return self.disk_tier.stats() if self.disk_tier is not None else None
 
     def holds_blocks(self, request_id: str) -> bool:
         """A finished (or aborted) request whose blocks wait for release()."""
