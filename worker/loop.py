@@ -27,7 +27,7 @@ from engine.kv_events import KVEventBatch
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.parallel.rank_clock import StragglerWatch
 from engine.scheduler import SchedulerOutput
-from worker import metrics, step_log
+from worker import kv_disk_metrics, metrics, step_log
 from worker.holdings import Holdings, loop_wait_s
 from worker.kv_event_log import KVEventLog
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
@@ -95,6 +95,8 @@ class EngineLoop:
         self._kv_buffer = engine.record_kv_events()
         self.kv_events = KVEventLog()
         self.kv_events.take(KVEventBatch([], lost=True), engine.cached_block_hashes)  # what it holds already
+        kv_disk_metrics.watch(lambda: self.engine.disk_tier_stats())  # read at each scrape
+        self._disk_tokens = 0  # the engine's disk_tier_tokens observed into PREFIX_TIER_TOKENS so far
 
     # -- hooks for workers ----------------------------------------------------------------
 
@@ -371,6 +373,9 @@ class EngineLoop:
             if stats is not None:
                 self.last_step_seconds = stats.seconds
             metrics.observe_step(out, stats)
+            if self.engine.disk_tier_tokens != self._disk_tokens:  # the schedule brought blocks in from disk
+                metrics.PREFIX_TIER_TOKENS.labels("disk").inc(self.engine.disk_tier_tokens - self._disk_tokens)
+                self._disk_tokens = self.engine.disk_tier_tokens
             busy |= result.ran or bool(result.outputs)
             self.on_step(result)
             if self._step_log and result.stats is not None:

@@ -54,6 +54,10 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV pool size in blocks (default: --kv-memory-gib)")
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-disk-dir", default=None,
+                   help="the prefix cache's disk tier: blocks the KV pool evicts are kept in files under "
+                        "DIR/<role>-<worker-id>/ and read back on a hit (default: off)")
+    p.add_argument("--kv-disk-gib", type=float, default=4.0, help="the disk tier's bound (with --kv-disk-dir)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="queue bound; past it requests are refused at once")
@@ -68,11 +72,16 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_FLOOR_S,
                    help="floor of the stall bound: a worker with work that completes no step for "
                         "max(this, 10x its longest measured step) seconds is wedged (worker/liveness.py)")
+    p.set_defaults(role=role)  # names this worker's disk-tier folder
     return p
 
 
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     require_token_off_loopback(args.host)  # before the slow part: a refused bind fails at once
+    if args.kv_disk_dir is not None and args.tensor_parallel_size > 1:
+        raise SystemExit(f"--kv-disk-dir with --tensor-parallel-size {args.tensor_parallel_size}: the disk tier "
+                         "is not supported with tensor parallelism (each rank's pool holds its own KV heads); "
+                         "drop one of the two")
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
@@ -101,8 +110,14 @@ def _end_with_lost_rank(what: str) -> None:
 
 
 def engine_configs(args: argparse.Namespace, model_len: int) -> tuple[CacheConfig, SchedulerConfig]:
-    """The KV pool and scheduler a worker's flags ask for."""
-    return (CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib),
+    """The KV pool and scheduler a worker's flags ask for. The disk tier's folder is the
+    worker's own, by role and worker id: two workers on one node never share files, and a
+    restarted worker (same role and id) finds its blocks again."""
+    if args.kv_disk_gib <= 0:
+        raise SystemExit(f"--kv-disk-gib {args.kv_disk_gib}: must be more than 0")
+    disk_dir = None if args.kv_disk_dir is None else os.path.join(args.kv_disk_dir, f"{args.role}-{args.worker_id}")
+    return (CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib, disk_dir=disk_dir,
+                        disk_bytes=int(args.kv_disk_gib * 2**30)),
             SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, model_len, args.max_waiting))
 
 

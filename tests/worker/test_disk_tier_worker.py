@@ -1,0 +1,62 @@
+"""A decode worker with the prefix cache's disk tier (`--kv-disk-dir`), as a real process:
+a prompt evicted from its small pool is written to disk, the worker is killed (kill -9) and
+started again on the same folder, and the prompt comes back with its prefix read from disk
+(the Metrics RPC's pdserve_engine_prefix_tier_tokens_total{tier="disk"}) and the same
+greedy tokens as the first time."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.worker_procs import start_workers, wait_until
+from common.block_hash import block_hashes
+from rpc import pdserve_pb2 as pb
+from tests.worker.grpc_calls import assert_idle, generate, random_prompt
+
+BLOCK = 16
+
+
+def _series(worker, name: str) -> float | None:
+    text = worker.stub.Metrics(pb.MetricsRequest(), timeout=10).exposition.decode()
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def test_a_restarted_worker_serves_an_evicted_prefix_from_disk(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa", seed=7)
+    disk = tmp_path / "kv-disk"
+    args = ["--no-transfer", "--dtype", "float32", "--kv-blocks", "12", "--max-num-batched-tokens", "32",
+            "--worker-id", "5", "--kv-disk-dir", str(disk), "--kv-disk-gib", "0.01"]
+    rng = random.Random(11)
+    prompt = random_prompt(rng, 80)  # 4 full blocks before its last token
+    others = [random_prompt(rng, 150) for _ in range(3)]  # 10 blocks each: the pool holds 12
+
+    (d,) = start_workers([("decode", args, {})], model, tmp_path, timeout_s=120)
+    try:
+        first = generate(d, prompt, 8, ignore_eos=True)
+        assert first.usage.cached_prompt_tokens == 0
+        for p in others:
+            generate(d, p, 8, ignore_eos=True)
+        files = [f"{x.hex()}.kvb" for x in block_hashes(prompt, BLOCK)[:4]]
+        # the worker's own folder (by role and id), then the model's compatibility key
+        wait_until(lambda: all(any((disk / "decode-5").glob(f"*/{f}")) for f in files), 30,
+                   "the prompt's blocks written to the disk tier")
+        assert _series(d, "pdserve_engine_kv_disk_entries") >= 4
+        assert_idle(d)
+    finally:
+        d.kill()  # kill -9: nothing flushed on the way out
+        d.stop()
+
+    (d,) = start_workers([("decode", args, {})], model, tmp_path, timeout_s=120)
+    try:
+        assert "found" in d.log_tail(200) and _series(d, "pdserve_engine_kv_disk_entries") >= 4
+        again = generate(d, prompt, 8, ignore_eos=True)
+        assert again.tokens == first.tokens
+        assert again.usage.cached_prompt_tokens == 4 * BLOCK
+        assert _series(d, 'pdserve_engine_prefix_tier_tokens_total{tier="disk"}') == 4 * BLOCK
+        assert _series(d, "pdserve_engine_kv_disk_corrupt_blocks_total") == 0
+        assert_idle(d)
+    finally:
+        d.stop()
