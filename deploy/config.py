@@ -59,6 +59,10 @@ class PoolConfig:
     tp_size: int = 1  # tensor parallelism: ranks per worker, one process and one bundle each, on one node
     kv_blocks: int | None = None  # KV pool size in blocks; None: sized by kv_memory_gib
     kv_memory_gib: float = 1.0
+    # The prefix cache's disk tier: each worker keeps the blocks its pool evicts under
+    # kv_disk_dir/<role>-<worker id>/ on its node, at most kv_disk_gib; None: off.
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float = 4.0
     threads: int = 1  # torch threads per worker process
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -70,7 +74,10 @@ class PoolConfig:
         _at_least(self, 0, "replicas", "num_cpus", "num_gpus")
         _at_least(self, 1, "kv_blocks", "threads", "max_num_batched_tokens", "max_num_seqs", "max_waiting",
                   "tp_size")
-        _at_least(self, 0, "kv_memory_gib", "stall_timeout_s", strict=True)
+        _at_least(self, 0, "kv_memory_gib", "kv_disk_gib", "stall_timeout_s", strict=True)
+        _require(self.kv_disk_dir is None or bool(self.kv_disk_dir), "kv_disk_dir", "must not be empty")
+        _require(self.kv_disk_dir is None or self.tp_size == 1, "kv_disk_dir",
+                 f"the disk tier is not supported with tensor parallelism (tp_size={self.tp_size})")
         for name, amount in self.resources.items():
             _require(name not in ("CPU", "GPU"), f"resources.{name}", "use num_cpus / num_gpus instead")
             _require(amount >= 0, f"resources.{name}", f"must be at least 0, got {amount}")
@@ -79,7 +86,9 @@ class PoolConfig:
         """Flags for `python -m prefill|decode` (the launcher adds --model, --dtype, --port...)."""
         kv = ("--kv-memory-gib", self.kv_memory_gib) if self.kv_blocks is None else ("--kv-blocks", self.kv_blocks)
         tp = ["--tensor-parallel-size", str(self.tp_size)] if self.tp_size > 1 else []
-        return [kv[0], str(kv[1]), "--threads", str(self.threads), *tp,
+        disk = [] if self.kv_disk_dir is None else ["--kv-disk-dir", self.kv_disk_dir,
+                                                    "--kv-disk-gib", str(self.kv_disk_gib)]
+        return [kv[0], str(kv[1]), "--threads", str(self.threads), *tp, *disk,
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--max-num-seqs", str(self.max_num_seqs), "--max-waiting", str(self.max_waiting),
                 "--stall-timeout", str(self.stall_timeout_s), *self.extra_args]

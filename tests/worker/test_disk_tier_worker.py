@@ -9,11 +9,15 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
+
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import start_workers, wait_until
 from common.block_hash import block_hashes
+from deploy.config import ConfigError, DeployConfig, PoolConfig
 from rpc import pdserve_pb2 as pb
 from tests.worker.grpc_calls import assert_idle, generate, random_prompt
+from worker.process import engine_configs, worker_arguments
 
 BLOCK = 16
 
@@ -60,3 +64,15 @@ def test_a_restarted_worker_serves_an_evicted_prefix_from_disk(tmp_path):
         assert_idle(d)
     finally:
         d.stop()
+
+
+def test_a_pools_disk_tier_reaches_each_worker_in_a_folder_of_its_own():
+    pool = PoolConfig(kv_disk_dir="/var/kv", kv_disk_gib=2.0)
+    for role, worker_id in (("decode", "3"), ("prefill", "0")):
+        args = worker_arguments(role).parse_args(["--port", "0", "--worker-id", worker_id, *pool.worker_args()])
+        cache, _ = engine_configs(args, 512)
+        assert cache.disk_dir == f"/var/kv/{role}-{worker_id}" and cache.disk_bytes == 2 << 30
+    args = worker_arguments("decode").parse_args(["--port", "0", *PoolConfig().worker_args()])
+    assert engine_configs(args, 512)[0].disk_dir is None
+    with pytest.raises(ConfigError, match="kv_disk_dir: the disk tier is not supported with tensor parallelism"):
+        DeployConfig.from_dict({"decode": {"kv_disk_dir": "/var/kv", "tp_size": 2}})
