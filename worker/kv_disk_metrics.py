@@ -22,21 +22,28 @@ class DiskTierCollector:
     def __init__(self) -> None:
         self.read: Callable[[], DiskTierStats | None] = lambda: None
 
+    def describe(self):
+        """The series' names, for the registry, without reading the engine (which may not
+        be built yet, or a stand-in without a tier)."""
+        return _families(DiskTierStats(0, 0, 0, 0, 0, 0, 0, 0))
+
     def collect(self):
         s = self.read()
-        if s is None:
-            return []
-        gauges = [("bytes", "Bytes of KV blocks in the disk tier's files", s.bytes),
-                  ("max_bytes", "The disk tier's bound in bytes", s.max_bytes),
-                  ("entries", "KV blocks in the disk tier", s.entries)]
-        counters = [("blocks_written", "KV blocks written to the disk tier", s.written),
-                    ("blocks_loaded", "KV blocks read back from the disk tier into the pool", s.loaded),
-                    ("corrupt_blocks", "Disk tier files that failed their header or checksum check "
-                                       "(deleted, their blocks recomputed)", s.corrupt),
-                    ("dropped_saves", "Evicted KV blocks not saved because the disk writer was behind", s.dropped),
-                    ("failed_writes", "Disk tier writes that failed (disk full, permissions)", s.failed_writes)]
-        return ([GaugeMetricFamily(f"pdserve_engine_kv_disk_{name}", doc, value=v) for name, doc, v in gauges]
-                + [CounterMetricFamily(f"pdserve_engine_kv_disk_{name}", doc, value=v) for name, doc, v in counters])
+        return [] if s is None else _families(s)
+
+
+def _families(s: DiskTierStats) -> list:
+    gauges = [("bytes", "Bytes of KV blocks in the disk tier's files", s.bytes),
+              ("max_bytes", "The disk tier's bound in bytes", s.max_bytes),
+              ("entries", "KV blocks in the disk tier", s.entries)]
+    counters = [("blocks_written", "KV blocks written to the disk tier", s.written),
+                ("blocks_loaded", "KV blocks read back from the disk tier into the pool", s.loaded),
+                ("corrupt_blocks", "Disk tier files that failed their header or checksum check "
+                                   "(deleted, their blocks recomputed)", s.corrupt),
+                ("dropped_saves", "Evicted KV blocks not saved because the disk writer was behind", s.dropped),
+                ("failed_writes", "Disk tier writes that failed (disk full, permissions)", s.failed_writes)]
+    return ([GaugeMetricFamily(f"pdserve_engine_kv_disk_{name}", doc, value=v) for name, doc, v in gauges]
+            + [CounterMetricFamily(f"pdserve_engine_kv_disk_{name}", doc, value=v) for name, doc, v in counters])
 
 
 _COLLECTOR = DiskTierCollector()
