@@ -100,7 +100,7 @@ class DiskTier:
         self.folder = Path(root) / key
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
-        self._pool = pool
+        self._pool: torch.Tensor | None = pool  # None once closed
         self._shape = tuple(pool.shape[1:])  # one block: [num_layers, 2, block_size, kv_heads, head_dim]
         if len(self._shape) > MAX_DIMS:
             raise ValueError(f"a block of {len(self._shape)} dims: at most {MAX_DIMS}")
@@ -185,10 +185,12 @@ class DiskTier:
         self._queue.join()
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer (bounded)."""
+        """Write what is queued, then stop the writer (bounded), and let go of the pool (a
+        role change frees it before making the next one). No save or load after this."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join(30.0)
+        self._pool = None
 
     def path_of(self, block_hash: bytes) -> Path:
         """The file a block is kept in (whether or not it is there)."""

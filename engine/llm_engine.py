@@ -202,7 +202,7 @@ class LLMEngine:
                              f"limit of {self.config.model.max_model_len}")
         model, config = self.model, replace(self.config, cache=cache, scheduler=scheduler)
         if self.disk_tier is not None:  # the new engine opens its own (another folder, maybe)
-            self.disk_tier.close()
+            self.disk_tier.close()  # it lets go of this engine's pool too
         self.model = self.runner = self.kv_cache = None  # its KV pool is freed before the new one is made
         return LLMEngine(config, model)
 
