@@ -87,9 +87,15 @@ class KVCacheManager:
             return 0
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         parent = salt_root(salt)
+        tier_used = self.lower is None  # one run from the tier, as _bring_in takes
+        in_run = False
         for i in range(max_blocks):
             parent = hash_block_tokens(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
-            if self.pool.lookup(parent) is None and (self.lower is None or not self.lower.has(parent)):
+            if self.pool.lookup(parent) is not None:
+                in_run = False
+            elif (in_run or not tier_used) and self.lower.has(parent):
+                tier_used = in_run = True
+            else:
                 return i * self.block_size
         return max_blocks * self.block_size
 

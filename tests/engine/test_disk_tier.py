@@ -173,6 +173,33 @@ def test_a_pool_that_cannot_spare_the_blocks_computes_instead(tmp_path):
     tier.close()
 
 
+def test_one_run_is_brought_in_and_num_cached_tokens_says_so_beforehand(tmp_path):
+    pool = torch.randn(9, 1, 2, 4, 1, 2)  # 8 usable blocks of 4 tokens, one scratch
+    tier = DiskTier(tmp_path, "k", pool, 1 << 20)
+    kv = KVCacheManager(8, 4)
+    kv.use_lower_tier(tier)
+    prompt = list(range(25))  # 6 full blocks before the last token, 7 blocks in all
+    t = _fill(kv, "a", prompt)
+    kv.free("a")  # free queue: the unused block, then t6 .. t0
+    unused = next(b for b in range(8) if b not in t)
+    keep = [unused, t[6], t[5], t[4], t[2], t[0]]
+    kv.pool.touch(keep)  # leaves t3, t1 at the head of the free queue
+    second = pool[t[1]].clone()
+    taken = kv.pool.allocate(2)  # evicts them: to disk
+    kv.pool.free(taken)
+    kv.pool.free(keep)
+    tier.flush()
+    hashes = block_hashes(prompt, 4)
+    assert [kv.pool.lookup(x) is None for x in hashes] == [False, True, False, True, False, False]
+    # pool, disk, pool, then disk again: a second run is not brought in
+    assert kv.num_cached_tokens(prompt) == 12
+    blocks, cached = kv.get_computed_blocks(prompt)
+    assert cached == 12 and kv.lower_tier_tokens == 4 and kv.pool.lookup(hashes[1]) == blocks[1]
+    assert tier.stats().loaded == 1 and torch.equal(pool[blocks[1]], second)
+    kv.check_invariants()
+    tier.close()
+
+
 # -------------------------------------------------------------- the engine on a tiny model
 
 BLOCK = 16
