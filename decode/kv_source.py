@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -43,11 +44,12 @@ class _Kept:
 @dataclass
 class _Pull:
     request_id: str  # the taker's
-    kept: _Kept
+    kept: _Kept | None  # None: a prefix pull (its blocks pinned in the pool until `unpin`)
     reply: Future  # resolves to a PrefillResponse
     num_cached_tokens: int
     started: float = field(default_factory=time.monotonic)
     abort_waiters: list[Future] = field(default_factory=list)
+    unpin: Callable[[], None] | None = None
 
 
 class KVSource:
@@ -63,7 +65,7 @@ class KVSource:
         self._released: list[str] = []
 
     def __len__(self) -> int:
-        return len(self.kept)
+        return len(self.kept) + sum(p.kept is None for p in self.pulls.values())
 
     def keep(self, kv: KeptKV, hold_s: float) -> None:
         """Hold `kv` for a taker's pull, at most `hold_s` seconds."""
@@ -99,6 +101,28 @@ class KVSource:
         log.info("request %s: pushing its kept KV (%d blocks) to %s as %s", kept_id, len(req.destination.block_ids),
                  peer, rid)
 
+    def pull_prefix(self, req: pb.PrefillRequest, blocks: list[int], reply: Future, timeout_s: float | None,
+                    unpin: Callable[[], None]) -> None:
+        """Push `blocks` (this pool's blocks of the prompt's leading run after the taker's
+        cached ones, pinned by the caller) into the first of the blocks `req` names, for a
+        sibling that fetches a prefix instead of computing it (decode/prefix_fetch.py);
+        `unpin` runs once the push ended, however it ended. ValueError (nothing started, the
+        caller unpins) when the request or its destination does not check out."""
+        rid = req.request_id
+        if self._early_aborts.take(rid):
+            raise ValueError(f"request {rid}: aborted before its pull arrived")
+        if rid in self.pulls:
+            raise ValueError(f"request {rid}: duplicate request id (one with this id is still in flight)")
+        info = checked_destination(rid, req, len(req.prompt_token_ids), self.block_size, None)
+        peer = self.agent.add_peer(info)
+        self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
+        cached_to = req.destination.num_cached_tokens + len(blocks) * self.block_size
+        self.pulls[rid] = _Pull(rid, None, reply, cached_to, unpin=unpin)
+        self.pusher.push(rid, blocks, list(req.destination.block_ids[:len(blocks)]), last=True)
+        metrics.PREFIX_SERVED.inc(len(blocks))
+        trace.event(rid, "prefix_pull", taker=peer, blocks=len(blocks))
+        log.info("request %s: pushing %d prefix blocks to %s", rid, len(blocks), peer)
+
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop the pull of the taker's `request_id`; `confirmed` resolves (True if it was
         known) once nothing of it is in flight. One not here yet is refused when it comes."""
@@ -125,13 +149,16 @@ class KVSource:
             p = self.pulls.pop(ev.request_id, None)
             if p is None:
                 continue
-            self._release(p.kept, ev.status.value)
+            if p.kept is not None:
+                self._release(p.kept, ev.status.value)
+            else:
+                p.unpin()
             if ev.status is PushStatus.DONE:
                 p.reply.set_result(pb.PrefillResponse(
-                    first_token_id=p.kept.kv.last_token, num_cached_tokens=p.num_cached_tokens,
-                    timings=pb.Timings(transfer_s=time.monotonic() - p.started)))
-                log.info("request %s: kept KV pushed to its taker (%s) in %.3fs", p.kept.kv.request_id, p.request_id,
-                         ev.seconds)
+                    first_token_id=p.kept.kv.last_token if p.kept is not None else 0,
+                    num_cached_tokens=p.num_cached_tokens, timings=pb.Timings(transfer_s=time.monotonic() - p.started)))
+                log.info("request %s: %s pushed to its taker in %.3fs", p.request_id,
+                         "prefix blocks" if p.kept is None else f"the kept KV of {p.kept.kv.request_id}", ev.seconds)
             else:
                 code = pb.CANCELLED if ev.status is PushStatus.ABORTED else pb.KV_TRANSFER_FAILED
                 p.reply.set_result(pb.PrefillResponse(error=pb.Error(

@@ -1,5 +1,6 @@
 """gRPC face of a decode worker as a KV source: the PrefillWorker service's Prefill and
-Abort, for the decode workers that take over its handed-off requests (decode/kv_source.py).
+Abort, for the decode workers that take over its handed-off requests (decode/kv_source.py)
+and those that fetch a prompt's prefix from its prefix cache (decode/prefix_fetch.py).
 A taker asks it exactly as it asks a prefill worker (decode/remote_prefill.py), so its
 attempts, aborts and fallbacks (the next worker, or a local prefill) apply unchanged."""
 
@@ -23,10 +24,11 @@ class KVSourceService(pb_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     def Prefill(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> pb.PrefillResponse:
-        """Push the kept KV of `request.kv_request_id`; anything else is refused (a decode
-        worker computes no prefill for others)."""
+        """Push the kept KV of `request.kv_request_id`, or with `prefix_only` the prompt's
+        leading blocks its prefix cache holds; anything else is refused (a decode worker
+        computes no prefill for others)."""
         rid = request.request_id
-        if not request.kv_request_id:
+        if not request.kv_request_id and not request.prefix_only:
             return pb.PrefillResponse(error=pb.Error(code=pb.INVALID_REQUEST, request_id=rid,
                                                      message=f"request {rid}: a decode worker prefills for no one"))
         self.worker.calls.opened()  # until it returns: a drain waits for it

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -37,7 +38,7 @@ from engine.scheduler import RemotePrefill
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import logprobs_from_pb, params_to_pb
-from transfer import KVReceiver, ReceiveStatus, TransferAgent
+from transfer import KVReceiver, ReceiveEvent, ReceiveStatus, TransferAgent
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,9 @@ class RemotePrefills:
         self._transfer_info = agent.info().to_bytes()
         self._events: list[Event] = []
         self._progress_failed = False
+        # The shared receiver's notifications for this worker's other transfers (its prefix
+        # fetches: decode/prefix_fetch.py); True when the hook took the event.
+        self.others: Callable[[ReceiveEvent], bool] | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states
@@ -135,6 +139,8 @@ class RemotePrefills:
         """Notifications, RPC replies and abort confirmations in; what the worker must do out."""
         for ev in self.receiver.poll():
             state = self.states.get(request_of(ev.request_id))
+            if state is None and self.others is not None and self.others(ev):
+                continue
             if state is None or state.phase is not Phase.PREFILLING or ev.request_id != state.transfer_id:
                 continue  # an earlier attempt's (expect() only matches the current one: belt and braces)
             if ev.status is ReceiveStatus.COMPLETE:

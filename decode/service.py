@@ -81,14 +81,36 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"request {rid}: grammar: {e}") from None
         except QueueFull as e:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {rid}: {e}") from None
-        prompt = list(request.prompt_token_ids)
         # A hand-off's KV source heads the list: its copy of the KV is asked for first.
         source = request.kv_source if request.kv_source.address and request.output_token_ids else None
         offered = ([source.address] if source is not None else []) + list(request.prefill_workers)
         prefill = self.worker.proven_prefill_workers(offered, PROVE_TIMEOUT_S)
         if source is not None and source.address not in prefill:
             source = None  # it could not prove itself (or is gone): the prefill workers, or here
+        if request.prefix_source.address and source is None:
+            self._fetch_prefix(rid, request)
         return _Admission(rid, request, params, prefill, source, timeout_s)
+
+    def _fetch_prefix(self, rid: str, request: pb.GenerateRequest) -> None:
+        """Bring the prompt's leading blocks a sibling holds into this pool before the loop
+        sees the request, so its schedule finds them cached (decode/prefix_fetch.py). Any
+        failure leaves the request to compute them: this never refuses it."""
+        src = request.prefix_source
+        if src.address not in self.worker.proven_prefill_workers([src.address], PROVE_TIMEOUT_S):
+            return  # not a proven worker of this deployment: nothing is asked of it
+        tokens = [*request.prompt_token_ids, *request.output_token_ids]
+        try:
+            done = self.worker.call(lambda: self.worker.fetch_prefix(rid, tokens, request.cache_salt, src),
+                                    timeout=self.worker.loop_wait_s())
+        except (TimeoutError, ShuttingDown):
+            return
+        if done is None:
+            return
+        bound = self.worker.remote_prefill_budget_s(src.blocks * self.worker.engine.block_size) + 5.0
+        try:  # the fetch's own deadline resolves it first
+            done.result(timeout=bound)
+        except Exception:  # the request computes the prefix
+            log.exception("request %s: prefix fetch failed", rid)
 
     def add(self, adm: _Admission, out: Outlet) -> None:
         """The request joins the engine (on the loop thread), or Refused."""

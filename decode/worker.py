@@ -29,10 +29,12 @@ from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
 from decode.kv_source import KVSource
+from decode.prefix_fetch import PrefixFetches
 from decode.remote_prefill import RemotePrefills
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
 from decode.step_batches import Outlet, StepBatches
 from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S
+from engine import prefix_blocks
 from engine.llm_engine import LLMEngine, StepResult
 from engine.scheduler import RequestRejected, SchedulerOutput
 from rpc import pdserve_pb2 as pb
@@ -84,7 +86,11 @@ class DecodeWorker(EngineLoop):
         self.streams: dict[str, _Stream] = {}
         self._touched: set[StepBatches] = set()  # calls with news gathered since the last flush
         self.kv_blocks_transferred = 0
+        self.fetches: PrefixFetches | None = None
         if self.remote is not None:
+            self.fetches = PrefixFetches(agent, self.remote.receiver, self.remote.peers, engine,
+                                         lambda: self.liveness.prefill_tokens_per_s)
+            self.remote.others = self.fetches.on_receive
             # NIXL progress between layers while remote KV is awaited: a prefill worker's
             # push (and so its Prefill reply) completes only when this side progresses.
             self.between_layers = self.remote.progress
@@ -165,6 +171,8 @@ class DecodeWorker(EngineLoop):
         self._flush()
         if self.source is not None:
             self.source.drop_all()
+        if self.fetches is not None:
+            self.fetches.abort_all()
 
     def hand_off(self) -> None:
         """Drained: every request ends here with HANDED_OFF, and its gateway replays it on
@@ -195,7 +203,37 @@ class DecodeWorker(EngineLoop):
         draining too, which is when there is any. ValueError when it cannot be served."""
         if self.source is None:
             raise ValueError(f"request {req.request_id}: {self.name} has no transfer agent and keeps no KV")
-        self.source.pull(req, reply, timeout_s)
+        if req.prefix_only:
+            self._pull_prefix(req, reply, timeout_s)
+        else:
+            self.source.pull(req, reply, timeout_s)
+
+    def fetch_prefix(self, request_id: str, tokens: list[int], cache_salt: str,
+                     source: pb.PrefixSource) -> Future | None:
+        """Have a sibling decode worker push the prompt's leading blocks it holds and this
+        pool lacks (decode/prefix_fetch.py); the future resolves to the prompt tokens the
+        pool then holds in a row. None: nothing to fetch, not worth it, no room or no agent."""
+        if self.fetches is None or self.closing:
+            return None
+        budget = self.remote_prefill_budget_s(source.blocks * self.engine.block_size)
+        return self.fetches.start(request_id, tokens, cache_salt, source, budget)
+
+    def _pull_prefix(self, req: pb.PrefillRequest, reply: Future, timeout_s: float | None) -> None:
+        """A sibling's fetch of prompt blocks this worker's prefix cache holds: those after
+        its own cached ones, in a row, pinned until the push ends."""
+        engine, bs = self.engine, self.engine.block_size
+        hashes = prefix_blocks.block_hashes(list(req.prompt_token_ids), bs, req.cache_salt)
+        skip = req.destination.num_cached_tokens // bs
+        blocks = prefix_blocks.held_run(engine, hashes, skip, len(req.destination.block_ids))
+        if not blocks:
+            raise ValueError(f"request {req.request_id}: none of the {len(hashes) - skip} prefix blocks asked for "
+                             "is cached here now")
+        prefix_blocks.pin(engine, blocks)
+        try:
+            self.source.pull_prefix(req, blocks, reply, timeout_s, lambda: prefix_blocks.unpin(engine, blocks))
+        except BaseException:
+            prefix_blocks.unpin(engine, blocks)
+            raise
 
     def abort_pull(self, request_id: str, confirmed: Future | None = None) -> None:
         if self.source is not None:
@@ -227,14 +265,15 @@ class DecodeWorker(EngineLoop):
 
     def holds_work(self) -> bool:
         # Its remote prefills' late writes die with this process; KV kept for a taker is held until released.
-        return bool(self.streams) or (self.source is not None and len(self.source) > 0)
+        return (bool(self.streams) or (self.source is not None and len(self.source) > 0)
+                or (self.fetches is not None and len(self.fetches) > 0))
 
     def holdings(self) -> Holdings:
         """Its streams, its remote prefills (a cancelled one too, until its prefill worker
         confirms the abort) and blocks set aside for an unconfirmed abort or kept for a
         hand-off's taker: a drain waits for all of them, so no prefill worker writes into a
         stopped worker's pool and no taker finds the KV it was promised gone."""
-        awaiting = len(self.remote) if self.remote is not None else 0
+        awaiting = len(self.remote) + len(self.fetches) if self.remote is not None else 0
         return Holdings(self.calls.open, len(self.streams), awaiting, self.engine.num_held())
 
     # -- the loop's hooks ----------------------------------------------------------------
@@ -263,8 +302,10 @@ class DecodeWorker(EngineLoop):
     def poll(self) -> bool:
         if self.remote is None:
             return False
-        events = self.remote.poll()
+        events = self.remote.poll()  # (the prefix fetches' notifications too)
         self._apply(events)
+        if len(self.fetches):
+            self.fetches.poll()
         released = self.source.poll() if len(self.source) else []
         for request_id in released:
             self.engine.release(request_id)

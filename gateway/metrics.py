@@ -71,12 +71,18 @@ for _met in ("yes", "no"):
 PREFIX_ROUTES = Counter("pdserve_prefix_routes", "Requests ranked by the router, by pool and by what put the first "
                         "worker first: index (the prefix index says it holds the prompt's leading blocks), hash "
                         "(the index had nothing: rendezvous hash of the first blocks), load (the favourite was "
-                        "overloaded)", ["pool", "by"])
+                        "overloaded; for decode: the least work held none of the prompt)", ["pool", "by"])
 for _by in ("index", "hash", "load"):
     PREFIX_ROUTES.labels("prefill", _by)
 PREFIX_MATCHED_BLOCKS = Counter("pdserve_prefix_matched_blocks", "Prompt blocks the prefix index says the worker "
                                 "ranked first holds cached, by pool", ["pool"])
 PREFIX_MATCHED_BLOCKS.labels("prefill")
+PREFIX_MATCHED_BLOCKS.labels("decode")
+for _by in ("index", "load"):
+    PREFIX_ROUTES.labels("decode", _by)
+PREFIX_SOURCES = Counter("pdserve_prefix_sources", "Requests sent to a decode worker with a sibling named as its "
+                         "prefix source (it holds more of the prompt's leading blocks, which the chosen worker "
+                         "may fetch instead of computing)")
 WORKER_GAUGES = {
     "kv_blocks_free": "Free KV blocks", "kv_blocks_total": "KV blocks", "waiting_requests": "Queued requests",
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",

@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common import trace
+from common.block_hash import block_hashes
 from common.tokenizer import Tokenizer
 from gateway import metrics, responses
 from gateway.admission import Admission, Ticket
@@ -171,8 +172,9 @@ class RequestPath:
         trace.event(rid, "arrived", at=arrived_at(request), endpoint=endpoint, client_request_id=client_id,
                     prompt_tokens=len(prompt), max_tokens=params.max_tokens, stream=bool(body.stream))
         salt = tenant.cache_salt(body.cache_salt)
+        hashes = block_hashes(prompt, router.block_size, salt)  # what the prefix index knows blocks by
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
-                                 prefill_workers=router.rank_prefill(prompt, salt), cache_salt=salt,
+                                 prefill_workers=router.rank_prefill(prompt, salt, hashes), cache_salt=salt,
                                  tenant=tenant.name)
         started = time.monotonic()
         call = None
@@ -188,7 +190,7 @@ class RequestPath:
         calls: list[DecodeStream] = []
         try:
             try:
-                calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint))
+                calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint, hashes))
             except APIError as e:  # the decode worker's compile refused the schema: name the parameter
                 if e.status == 400 and ": grammar: " in e.message:
                     e.param = "tools" if tools is not None and tools.grammar is not None else "response_format"
@@ -241,6 +243,7 @@ class RequestPath:
                 child.CopyFrom(req)
                 child.request_id = f"{req.request_id}-{i}"
                 del child.prefill_workers[:]
+                child.ClearField("prefix_source")  # the first choice's fetch brought the prefix here
                 if child.params.HasField("seed"):
                     child.params.seed = (child.params.seed + i) % 2**63
                 children.append(child)
@@ -255,20 +258,29 @@ class RequestPath:
                     task.result()[0].cancel()
             raise
 
-    async def _start(self, req: pb.GenerateRequest, n: int, claims: Claims, endpoint: str) -> list:
+    async def _start(self, req: pb.GenerateRequest, n: int, claims: Claims, endpoint: str,
+                     hashes: list[bytes]) -> list:
         """Open the request's `n` Generate streams on one decode worker and wait for each
         one's first message. A worker that fails before that (refuses it while draining or
         shutting down, breaks, or ends it with an error and no token) costs a retry on
-        another, up to MAX_DECODE_ATTEMPTS workers: no token has reached the client yet."""
+        another, up to MAX_DECODE_ATTEMPTS workers: no token has reached the client yet.
+        `hashes`: the prompt's block hashes, by which the prefix index ranks the workers and
+        names a sibling holding more of the prefix than the chosen one (its prefix source)."""
         base, tried = req.request_id, []
         while True:
             try:
-                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=set(tried))
+                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=set(tried), hashes=hashes)
             except NoWorker:
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             claims.on(worker)
-            trace.event(req.request_id, "sent", decode_worker=worker.address)
+            req.ClearField("prefix_source")
+            source = self.router.prefix_source(hashes, worker)
+            if source is not None:
+                req.prefix_source.address, req.prefix_source.blocks = source
+                metrics.PREFIX_SOURCES.inc()
+            trace.event(req.request_id, "sent", decode_worker=worker.address,
+                        prefix_source=source[0] if source is not None else None)
             calls: list[DecodeStream] = []
             try:
                 reopen = functools.partial(self._reopen, claims=claims)

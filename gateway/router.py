@@ -1,5 +1,7 @@
-"""Which workers serve a request: the decode worker with the least outstanding tokens among
-those with KV headroom for the prompt, and the prefill workers ranked by how much of the
+"""Which workers serve a request: the decode worker with the least work among those with KV
+headroom for the prompt (its outstanding tokens plus the prompt tokens it would compute,
+past the prefix it holds cached; a sibling holding more of the prefix is named as the
+chosen worker's prefix source), and the prefill workers ranked by how much of the
 prompt's prefix each holds cached (the prefix index the workers' KV events feed:
 gateway/prefix_index.py), then by rendezvous hash of the prompt's first full blocks, so a
 shared system prompt the index knows nothing of yet keeps landing on the same prefill
@@ -12,6 +14,7 @@ import hashlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -106,15 +109,39 @@ class Router:
         self.prefill = [known.get(a) or WorkerState(a) for a in dict.fromkeys(prefill)]
         self.index.retain(w.address for w in self.decode + self.prefill)
 
-    def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset()) -> WorkerState:
-        """The healthy decode worker with the least outstanding tokens, preferring those with KV
-        headroom for the prompt (any worker, if none is healthy)."""
+    def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset(),
+                    hashes: Sequence[bytes] = ()) -> WorkerState:
+        """The healthy decode worker with the least work, preferring those with KV headroom for
+        the prompt (any worker, if none is healthy). Work is its outstanding tokens plus the
+        prompt's tokens it would compute: those past the leading blocks (`hashes`, under the
+        request's cache salt) it holds cached, as the prefix index knows them. With nothing
+        in the index for the prompt, the least outstanding tokens decide, as before."""
         if not self.decode:
             raise NoWorker("no decode worker")
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
         live = [w for w in candidates if w.healthy] or candidates
         roomy = [w for w in live if w.fits(prompt_tokens)] or live
-        return min(roomy, key=lambda w: w.outstanding_tokens)
+        matched = self.index.longest_prefix([w.address for w in roomy], hashes) if hashes else {}
+        bs = self.block_size
+        pick = min(roomy, key=lambda w: w.outstanding_tokens - matched.get(w.address, 0) * bs)
+        if hashes:
+            by = "index" if matched.get(pick.address) else "load"
+            metrics.PREFIX_ROUTES.labels("decode", by).inc()
+            metrics.PREFIX_MATCHED_BLOCKS.labels("decode").inc(matched.get(pick.address, 0))
+        return pick
+
+    def prefix_source(self, hashes: Sequence[bytes], chosen: WorkerState) -> tuple[str, int] | None:
+        """Another healthy decode worker holding more of the prompt's leading blocks than
+        `chosen` does, as (address, blocks it holds in a row): where `chosen` may fetch them
+        from instead of computing them (decode/prefix_fetch.py). None when no one holds more."""
+        others = [w.address for w in self.decode if w is not chosen and w.healthy]
+        if not hashes or not others:
+            return None
+        held = self.index.longest_prefix(others + [chosen.address], hashes)
+        best = max(others, key=lambda a: held.get(a, 0))
+        if held.get(best, 0) <= held.get(chosen.address, 0):
+            return None
+        return best, held[best]
 
     def kv_room(self, prompt_tokens: int) -> bool:
         """Some healthy decode worker has KV headroom for the prompt now (True with none
@@ -145,7 +172,7 @@ class Router:
     def has_other_decode(self, worker: WorkerState) -> bool:
         return any(w is not worker for w in self.decode)
 
-    def rank_prefill(self, prompt: list[int], cache_salt: str = "") -> list[str]:
+    def rank_prefill(self, prompt: list[int], cache_salt: str = "", hashes: Sequence[bytes] | None = None) -> list[str]:
         """Prefill workers, the prompt's favourite first (healthy ones only): the most of the
         prompt's leading blocks cached first, as the prefix index knows them, then by
         rendezvous hash of the first blocks. Both use the prompt's block hashes under the
@@ -153,7 +180,8 @@ class Router:
         live = [w for w in self.prefill if w.healthy]
         if not live:
             return []
-        hashes = block_hashes(prompt, self.block_size, cache_salt)
+        if hashes is None:
+            hashes = block_hashes(prompt, self.block_size, cache_salt)
         matched = self.index.longest_prefix([w.address for w in live], hashes)
         key = b"".join(hashes[:AFFINITY_BLOCKS]) or bytes(f"{cache_salt}{prompt[:8]}", "utf-8")
         ranked = sorted(live, key=lambda w: (matched.get(w.address, 0), _score(key, w.address)), reverse=True)
