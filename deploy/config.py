@@ -134,6 +134,8 @@ class GatewaySettings:
     # is kept; None: the gateway's defaults, 64 MiB and one hour.
     response_store_bytes: int | None = None
     response_store_ttl_s: float | None = None
+    # Route on the prefix index (gateway/prefix_index.py); False: as before it, to measure against.
+    prefix_routing: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
@@ -167,6 +169,8 @@ class GatewaySettings:
             args += ["--processes", str(self.processes)]
         if self.decode_streams != "worker":
             args += ["--decode-streams", self.decode_streams]
+        if not self.prefix_routing:
+            args.append("--no-prefix-routing")
         if self.response_store_bytes is not None:
             args += ["--response-store-bytes", str(self.response_store_bytes)]
         if self.response_store_ttl_s is not None:

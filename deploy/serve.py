@@ -41,6 +41,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--decode", type=int, help="decode workers (default 1)")
     serve.add_argument("--prefill-tp", type=int, help="tensor-parallel ranks per prefill worker (YAML prefill.tp_size)")
     serve.add_argument("--decode-tp", type=int, help="tensor-parallel ranks per decode worker (YAML decode.tp_size)")
+    serve.add_argument("--kv-disk-dir", help="the prefix cache's disk tier: each worker keeps the blocks its pool "
+                       "evicts under DIR/<role>-<worker id>/ on its node (YAML prefill/decode.kv_disk_dir)")
+    serve.add_argument("--kv-disk-gib", type=float, help="each worker's disk tier bound (default 4; YAML kv_disk_gib)")
+    serve.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_const", const=False,
+                       help="route as before the prefix index (YAML gateway.prefix_routing: false), to measure "
+                            "against")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gateway port (default 8000)")
     serve.add_argument("--gateways", type=int, help="gateway processes on that port (default 1; "
@@ -95,7 +101,9 @@ def load_config(args: argparse.Namespace) -> DeployConfig:
     config = config.with_overrides(model=args.model, dtype=args.dtype, prefill_replicas=args.prefill,
                                    decode_replicas=args.decode, prefill_tp_size=args.prefill_tp,
                                    decode_tp_size=args.decode_tp, host=args.host, port=args.port,
-                                   processes=args.gateways)
+                                   processes=args.gateways, prefix_routing=args.prefix_routing,
+                                   prefill_kv_disk_dir=args.kv_disk_dir, decode_kv_disk_dir=args.kv_disk_dir,
+                                   prefill_kv_disk_gib=args.kv_disk_gib, decode_kv_disk_gib=args.kv_disk_gib)
     if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
         from deploy.planner.profile import Profile
 

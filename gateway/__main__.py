@@ -71,6 +71,9 @@ def main() -> None:
     ap.add_argument("--decode-streams", choices=("worker", "request"), default="worker",
                     help="worker (default): every request on a decode worker streams over one call, one message "
                          "per engine step; request: one Generate call per request (the older path, to measure against)")
+    ap.add_argument("--no-prefix-routing", dest="prefix_routing", action="store_false",
+                    help="route as before the prefix index: rendezvous hash for prefill workers, least outstanding "
+                         "tokens for decode workers, no prefix source named (to measure the index against)")
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client may pause while sending its body before a 408")
     ap.add_argument("--header-timeout", type=float, default=10.0,
@@ -144,7 +147,7 @@ def main() -> None:
                            decode_streams=args.decode_streams, response_store_bytes=args.response_store_bytes,
                            response_store_ttl_s=args.response_store_ttl,
                            response_store_folder=shared.responses if shared is not None else None,
-                           processes=args.processes)
+                           processes=args.processes, prefix_routing=args.prefix_routing)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip

@@ -86,11 +86,16 @@ class GatewayConfig:
     response_store_ttl_s: float = DEFAULT_MAX_AGE_S
     response_store_folder: Path | None = None
     processes: int = 1
+    # Route on the prefix index the workers' KV events feed (gateway/prefix_index.py): prefill
+    # workers ranked and decode workers picked by the prefix each holds, and a sibling named
+    # as a decode worker's prefix source. False: routing as before the index (rendezvous hash
+    # for prefill, least outstanding tokens for decode, no prefix source), to measure against.
+    prefix_routing: bool = True
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(config.model_path)
-    router = Router(config.decode, config.prefill)
+    router = Router(config.decode, config.prefill, use_index=config.prefix_routing)
     config.tenants.follow_pool(router.decode_pool_size)  # tenants with no max_concurrent of their own
     backend = Backend(config.decode, config.prefill, per_request=config.decode_streams == "request")
     admission = Admission(config.max_ttft_s)

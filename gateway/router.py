@@ -95,11 +95,12 @@ class NoWorker(LookupError):
 
 
 class Router:
-    def __init__(self, decode: list[str], prefill: list[str], block_size: int = 16):
+    def __init__(self, decode: list[str], prefill: list[str], block_size: int = 16, use_index: bool = True):
         self.decode: list[WorkerState] = []
         self.prefill: list[WorkerState] = []
         self.block_size = block_size
         self.index = PrefixIndex()
+        self.use_index = use_index  # False: route as before the index (the index is still fed)
         self.set_workers(decode, prefill)
 
     def set_workers(self, decode: list[str], prefill: list[str]) -> None:
@@ -121,6 +122,8 @@ class Router:
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
         live = [w for w in candidates if w.healthy] or candidates
         roomy = [w for w in live if w.fits(prompt_tokens)] or live
+        if not self.use_index:
+            hashes = ()
         matched = self.index.longest_prefix([w.address for w in roomy], hashes) if hashes else {}
         bs = self.block_size
         pick = min(roomy, key=lambda w: w.outstanding_tokens - matched.get(w.address, 0) * bs)
@@ -135,7 +138,7 @@ class Router:
         `chosen` does, as (address, blocks it holds in a row): where `chosen` may fetch them
         from instead of computing them (decode/prefix_fetch.py). None when no one holds more."""
         others = [w.address for w in self.decode if w is not chosen and w.healthy]
-        if not hashes or not others:
+        if not hashes or not others or not self.use_index:
             return None
         held = self.index.longest_prefix(others + [chosen.address], hashes)
         best = max(others, key=lambda a: held.get(a, 0))
@@ -182,7 +185,7 @@ class Router:
             return []
         if hashes is None:
             hashes = block_hashes(prompt, self.block_size, cache_salt)
-        matched = self.index.longest_prefix([w.address for w in live], hashes)
+        matched = self.index.longest_prefix([w.address for w in live], hashes) if self.use_index else {}
         key = b"".join(hashes[:AFFINITY_BLOCKS]) or bytes(f"{cache_salt}{prompt[:8]}", "utf-8")
         ranked = sorted(live, key=lambda w: (matched.get(w.address, 0), _score(key, w.address)), reverse=True)
         least = min(ranked, key=lambda w: w.waiting_tokens)

@@ -253,3 +253,13 @@ def test_the_module_imports_neither_torch_nor_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_serve_flags_turn_prefix_routing_off_and_the_disk_tier_on_for_both_pools():
+    new = DeployConfig().with_overrides(prefix_routing=False, prefill_kv_disk_dir="/tier", decode_kv_disk_dir="/tier",
+                                        decode_kv_disk_gib=2.0)
+    assert "--no-prefix-routing" in new.gateway.args()
+    assert "--no-prefix-routing" not in DeployConfig().gateway.args()
+    assert new.prefill.kv_disk_dir == new.decode.kv_disk_dir == "/tier"
+    args = new.decode.worker_args()
+    assert args[args.index("--kv-disk-gib") + 1] == "2.0"

@@ -98,3 +98,37 @@ def test_a_cut_requests_claim_ends_with_the_next_stats_asked_for_after_it():
 def test_headroom_is_unknown_until_the_first_stats():
     r = Router(["d:1"], [])
     assert r.kv_room(10**6) and r.kv_capacity() is None
+
+
+def test_decode_counts_the_prefix_a_worker_holds_as_work_saved_and_names_a_sibling_holding_more():
+    from common.block_hash import block_hashes
+    from common.kv_events import KVEventsSince
+
+    r = Router(["d:1", "d:2", "d:3"], [])
+    a, b, c = r.decode
+    prompt = _prompt(9, 100)  # 6 full blocks
+    hashes = block_hashes(prompt, 16, "salt")
+    r.index.apply("d:2", "decode-2-1", KVEventsSince(1, True, hashes[:6], []))
+    r.index.apply("d:3", "decode-3-1", KVEventsSince(1, True, hashes[:2], []))
+    assert r.pick_decode(len(prompt), hashes=hashes) is b  # 96 cached tokens: the least work
+    assert r.prefix_source(hashes, b) is None  # no one holds more than it
+    b.outstanding_tokens = 200  # busy: 200 - 96 > 0 - 32
+    assert r.pick_decode(len(prompt), hashes=hashes) is c  # idle, and it holds 2 blocks
+    assert r.prefix_source(hashes, c) == ("d:2", 6)  # the sibling holding the most
+    assert r.prefix_source(hashes, a) == ("d:2", 6)
+    assert r.prefix_source(block_hashes(prompt, 16, "another"), a) is None  # another salt: nobody holds it
+    b.healthy = False
+    assert r.prefix_source(hashes, a) == ("d:3", 2)  # an unhealthy holder is not named
+    assert r.pick_decode(len(prompt)).address == "d:1"  # no hashes: the least outstanding tokens, as before
+
+
+def test_without_the_index_routing_is_as_before_it():
+    from common.block_hash import block_hashes
+    from common.kv_events import KVEventsSince
+
+    r = Router(["d:1", "d:2"], [], use_index=False)
+    prompt = _prompt(11, 100)
+    hashes = block_hashes(prompt, 16)
+    r.index.apply("d:2", "decode-2-1", KVEventsSince(1, True, hashes, []))
+    assert r.pick_decode(len(prompt), hashes=hashes).address == "d:1"  # the first of two idle workers
+    assert r.prefix_source(hashes, r.decode[0]) is None
