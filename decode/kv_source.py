@@ -11,6 +11,11 @@ is the request's last one, which the taker decodes next. Abort works as on a pre
 worker (`abort`: confirmed once nothing is in flight). Kept blocks nobody pulls within
 `hold_s` are released; a drain waits for them (they are held blocks: worker/holdings.py).
 
+It also pushes a prompt's leading blocks from this worker's prefix cache to a sibling that
+fetches them instead of computing them (`pull_prefix`, decode/prefix_fetch.py): the worker
+pins the blocks, this pushes them and unpins them through the worker's callback once the
+push ends, however it ends.
+
 Commands in, `poll() -> list[str]` (request ids whose kept blocks the engine may release)
 out, the shape of decode/remote_prefill.py; it never touches the engine itself.
 """
