@@ -21,7 +21,7 @@ from common.kv_events import KVEventsSince
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_ENTRIES = 4_000_000  # (hash, worker) pairs: ~0.5 GiB at worst, 100+ workers of 32k blocks each
+DEFAULT_MAX_ENTRIES = 4_000_000  # (hash, worker) pairs: ~0.9 GiB at worst (bench/prefix_index_cost.py), 100+ workers of 32k blocks each
 
 
 @dataclass
@@ -90,15 +90,22 @@ class PrefixIndex:
         blocks (`hashes`, in order) it holds in a row, as its pool would find them."""
         alive = set(candidates)
         matched: dict[str, int] = {}
-        for i, h in enumerate(hashes):
+        held = 0  # blocks every address in `alive` holds in a row
+        for h in hashes:
             holders = self._holders.get(h)
             if not holders:
                 break
-            alive &= holders
-            if not alive:
-                break
-            for address in alive:
-                matched[address] = i + 1
+            if not alive <= holders:  # some drop out here (the rare case: most blocks keep the same holders)
+                for address in alive - holders:
+                    if held:
+                        matched[address] = held
+                alive &= holders
+                if not alive:
+                    break
+            held += 1
+        for address in alive:
+            if held:
+                matched[address] = held
         return matched
 
     def size(self, address: str) -> int:

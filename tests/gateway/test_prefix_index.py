@@ -55,3 +55,23 @@ def test_another_tenants_salted_prompt_matches_nothing():
     assert index.longest_prefix(["a:1"], block_hashes(PROMPT, 16, "tenant-x")) == {"a:1": 4}
     assert index.longest_prefix(["a:1"], block_hashes(PROMPT, 16, "tenant-y")) == {}
     assert index.longest_prefix(["a:1"], HASHES) == {}
+
+
+def test_longest_prefix_equals_each_workers_own_walk_on_random_sets():
+    import random
+
+    rng = random.Random(0)
+    hashes = block_hashes(list(range(40 * 16)), 16)
+    for _ in range(200):
+        index, sets = PrefixIndex(), {}
+        for w in range(rng.randint(1, 6)):
+            held = [h for h in hashes if rng.random() < 0.9]
+            sets[f"w:{w}"] = set(held)
+            index.apply(f"w:{w}", f"decode-{w}-1", KVEventsSince(1, True, held, []))
+        candidates = [a for a in sets if rng.random() < 0.8]
+        want = {}
+        for a in candidates:
+            run = next((i for i, h in enumerate(hashes) if h not in sets[a]), len(hashes))
+            if run:
+                want[a] = run
+        assert index.longest_prefix(candidates, hashes) == want
