@@ -30,8 +30,10 @@ LOGGER_NAME = "pdserve.trace"
 # How a request was served, as the gateway's `first_token` event names it (and its answer's
 # headers: x-pdserve-<field, dashed>; gateway/served.py): the decode worker; prefill
 # "remote" (with the prefill worker and the KV blocks that came over) or "local" (with the
-# reason); the prompt tokens the decode worker's prefix cache served.
-SERVED_FIELDS = ("decode_worker", "prefill", "prefill_worker", "kv_blocks", "local_prefill_reason", "cached_tokens")
+# reason); the prompt tokens the decode worker's prefix cache served; the sibling it fetched
+# prompt blocks from, and how many.
+SERVED_FIELDS = ("decode_worker", "prefill", "prefill_worker", "kv_blocks", "local_prefill_reason", "cached_tokens",
+                 "prefix_source", "prefix_blocks")
 _log = logging.getLogger(LOGGER_NAME)
 _process = "?"
 

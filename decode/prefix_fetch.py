@@ -8,9 +8,10 @@ pins the blocks the pool already finds of the prompt, allocates blocks for the r
 sibling holds after them and asks the sibling (PrefillWorker.Prefill with `prefix_only`,
 decode/kv_source.py) to push into them; once its reply and the KV notification are both
 in, the pushed blocks are made findable under their hashes (engine/prefix_blocks.py), every
-pin is released and the request's future resolves with the prompt tokens the pool now
-holds. The request is then admitted as any other: its schedule finds those blocks cached,
-so only the uncached tail is computed (or prefilled remotely).
+pin is released and the request's future resolves with what the pool now holds
+(`Fetched`, which the request's first message repeats: pb.Served's prefix_source and
+prefix_blocks). The request is then admitted as any other: its schedule finds those blocks
+cached, so only the uncached tail is computed (or prefilled remotely).
 
 A fetch that fails, is refused or passes its deadline resolves the future at once with
 what the pool held before (the request computes the rest); its blocks are released only
@@ -50,6 +51,16 @@ log = logging.getLogger(__name__)
 RATE_WEIGHT = 0.3  # of the newest fetch in the seconds-a-block average
 
 
+@dataclass(frozen=True)
+class Fetched:
+    """What a fetch left in the pool: the prompt tokens it holds in a row now, and how many
+    blocks of them came from `source` (0: the fetch failed or was refused)."""
+
+    cached_tokens: int
+    source: str
+    blocks: int
+
+
 class _Phase(enum.Enum):
     FETCHING = "fetching"
     ABORTING = "aborting"  # failed while the sibling may still write: waiting for its Abort answer
@@ -65,7 +76,7 @@ class _Fetch:
     first: int  # blocks the pool found before them (pinned: `pinned`)
     pinned: list[int]
     blocks: list[int]  # allocated here for the sibling to fill, one per hash
-    done: Future  # resolves to the prompt tokens the pool holds in a row now
+    done: Future  # resolves to a Fetched
     deadline: float
     started: float = field(default_factory=time.monotonic)
     phase: _Phase = _Phase.FETCHING
@@ -239,7 +250,7 @@ class PrefixFetches:
         metrics.PREFIX_FETCHES.labels(outcome).inc()
         trace.event(f.request_id, "prefix_fetched", outcome=outcome, source=f.source, blocks=pushed, detail=detail)
         log.info("request %s: prefix fetch from %s %s: %s", f.request_id, f.source, outcome, detail)
-        f.done.set_result((f.first + pushed) * self.block_size)
+        f.done.set_result(Fetched((f.first + pushed) * self.block_size, f.source, pushed))
 
     def _ask_abort(self, f: _Fetch) -> grpc.Future:
         return self.peers.stub(f.source).Abort.future(pb.AbortRequest(request_id=f.fetch_id), timeout=ABORT_TIMEOUT_S)

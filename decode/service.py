@@ -24,6 +24,7 @@ import grpc
 from common import trace
 from common.grammar_spec import GrammarError
 from common.sampling_params import SamplingParams
+from decode.prefix_fetch import Fetched
 from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
@@ -57,6 +58,7 @@ class _Admission:
     prefill: list[str]  # the offered prefill workers that proved themselves (a hand-off's KV source first)
     source: pb.KVSource | None
     timeout_s: float | None
+    fetched: Fetched | None = None  # the prompt blocks fetched from a sibling before the loop saw it
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
@@ -87,37 +89,37 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         prefill = self.worker.proven_prefill_workers(offered, PROVE_TIMEOUT_S)
         if source is not None and source.address not in prefill:
             source = None  # it could not prove itself (or is gone): the prefill workers, or here
-        if request.prefix_source.address and source is None:
-            self._fetch_prefix(rid, request)
-        return _Admission(rid, request, params, prefill, source, timeout_s)
+        fetched = self._fetch_prefix(rid, request) if request.prefix_source.address and source is None else None
+        return _Admission(rid, request, params, prefill, source, timeout_s, fetched)
 
-    def _fetch_prefix(self, rid: str, request: pb.GenerateRequest) -> None:
+    def _fetch_prefix(self, rid: str, request: pb.GenerateRequest) -> Fetched | None:
         """Bring the prompt's leading blocks a sibling holds into this pool before the loop
         sees the request, so its schedule finds them cached (decode/prefix_fetch.py). Any
         failure leaves the request to compute them: this never refuses it."""
         src = request.prefix_source
         if src.address not in self.worker.proven_prefill_workers([src.address], PROVE_TIMEOUT_S):
-            return  # not a proven worker of this deployment: nothing is asked of it
+            return None  # not a proven worker of this deployment: nothing is asked of it
         tokens = [*request.prompt_token_ids, *request.output_token_ids]
         try:
             done = self.worker.call(lambda: self.worker.fetch_prefix(rid, tokens, request.cache_salt, src),
                                     timeout=self.worker.loop_wait_s())
         except (TimeoutError, ShuttingDown):
-            return
+            return None
         if done is None:
-            return
+            return None
         bound = self.worker.remote_prefill_budget_s(src.blocks * self.worker.engine.block_size) + 5.0
         try:  # the fetch's own deadline resolves it first
-            done.result(timeout=bound)
+            return done.result(timeout=bound)
         except Exception:  # the request computes the prefix
             log.exception("request %s: prefix fetch failed", rid)
+            return None
 
     def add(self, adm: _Admission, out: Outlet) -> None:
         """The request joins the engine (on the loop thread), or Refused."""
         r = adm.request
         try:
             self.worker.add(adm.request_id, list(r.prompt_token_ids), adm.params, r.priority, adm.prefill, out,
-                            adm.timeout_s, r.cache_salt, list(r.output_token_ids), adm.source)
+                            adm.timeout_s, r.cache_salt, list(r.output_token_ids), adm.source, adm.fetched)
         except QueueFull as e:
             raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         except RequestRejected as e:

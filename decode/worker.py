@@ -29,7 +29,7 @@ from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
 from decode.kv_source import KVSource
-from decode.prefix_fetch import PrefixFetches
+from decode.prefix_fetch import Fetched, PrefixFetches
 from decode.remote_prefill import RemotePrefills
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
 from decode.step_batches import Outlet, StepBatches
@@ -64,6 +64,8 @@ class _Stream:
     local_prefill: int = pb.LOCAL_PREFILL_NONE  # why it is prefilled here (NONE: a remote prefill's KV)
     prefill_worker: str = ""  # whose KV it decodes from, once that KV is here
     kv_blocks: int = 0  # ... and how many blocks of it came over
+    prefix_source: str = ""  # the sibling whose prefix blocks it fetched (decode/prefix_fetch.py)
+    prefix_blocks: int = 0
     announced: bool = False  # its first message (with how it was served) has gone out
 
 
@@ -99,11 +101,13 @@ class DecodeWorker(EngineLoop):
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int,
             prefill_workers: list[str], out: Outlet, timeout_s: float | None,
-            cache_salt: str = "", output_token_ids: list[int] = (), kv_source: pb.KVSource | None = None) -> None:
+            cache_salt: str = "", output_token_ids: list[int] = (), kv_source: pb.KVSource | None = None,
+            fetched: Fetched | None = None) -> None:
         """Admit a request (raises RequestRejected / QueueFull / ShuttingDown for the RPC to answer);
         `output_token_ids`: a replay's tokens so far (their KV but the last's comes from the
         prefill workers, or is computed here); `kv_source`: a hand-off's, whose KV that decode
-        worker kept (it heads `prefill_workers`: asked first, always)."""
+        worker kept (it heads `prefill_workers`: asked first, always); `fetched`: the prompt
+        blocks its admission fetched from a sibling (decode/prefix_fetch.py), now cached here."""
         if self.closing:
             raise ShuttingDown(f"request {request_id}: {self.name} is shutting down")
         if (self.remote is not None and request_id in self.remote) or self.engine.holds_blocks(request_id):
@@ -117,6 +121,9 @@ class DecodeWorker(EngineLoop):
                                 output_token_ids=output_token_ids)
         self.streams[request_id] = _Stream(out, len(prompt), params,
                                            local_prefill=self._local_prefill(remote, prefill_workers, len(tokens)))
+        if fetched is not None and fetched.blocks:
+            self.streams[request_id].prefix_source = fetched.source
+            self.streams[request_id].prefix_blocks = fetched.blocks
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget),
@@ -211,8 +218,7 @@ class DecodeWorker(EngineLoop):
     def fetch_prefix(self, request_id: str, tokens: list[int], cache_salt: str,
                      source: pb.PrefixSource) -> Future | None:
         """Have a sibling decode worker push the prompt's leading blocks it holds and this
-        pool lacks (decode/prefix_fetch.py); the future resolves to the prompt tokens the
-        pool then holds in a row. None: nothing to fetch, not worth it, no room or no agent."""
+        pool lacks (decode/prefix_fetch.py); the future resolves to a `Fetched`. None: nothing to fetch, not worth it, no room or no agent."""
         if self.fetches is None or self.closing:
             return None
         budget = self.remote_prefill_budget_s(source.blocks * self.engine.block_size)
@@ -370,7 +376,8 @@ class DecodeWorker(EngineLoop):
             stream.announced = True
             stream.out.served(pb.Served(prefill_worker=stream.prefill_worker, kv_blocks=stream.kv_blocks,
                                         local_prefill=stream.local_prefill,
-                                        cached_prompt_tokens=_cached(stream, num_cached)))
+                                        cached_prompt_tokens=_cached(stream, num_cached),
+                                        prefix_source=stream.prefix_source, prefix_blocks=stream.prefix_blocks))
         stream.num_tokens += len(token_ids)
         self._touched.add(stream.out.batches)
         if reason is None and not logprobs:

@@ -7,6 +7,8 @@ disaggregation happened (and `pdserve trace`, from the gateway's `first_token` e
     x-pdserve-kv-blocks: 3                         remote: the KV blocks that came over from it
     x-pdserve-local-prefill-reason: below_threshold  local: why (below)
     x-pdserve-cached-tokens: 0                     prompt tokens the decode worker's prefix cache served
+    x-pdserve-prefix-source: 127.0.0.1:7103        the sibling decode worker it fetched prompt blocks from
+    x-pdserve-prefix-blocks: 6                     ... and how many (counted in the cached tokens)
 
 A streamed answer's headers leave with its first bytes, so all of this comes on the request's
 first message from its decode worker (pb.Served, decode/worker.py); a whole answer carries
@@ -39,6 +41,8 @@ class Served:
     kv_blocks: int | None = None
     local_prefill_reason: str | None = None
     cached_tokens: int | None = None
+    prefix_source: str | None = None  # decode/prefix_fetch.py: only when blocks came from it
+    prefix_blocks: int | None = None
 
     @classmethod
     def of(cls, decode_worker: str, first: pb.GenerateResponse) -> Served:
@@ -46,13 +50,14 @@ class Served:
         if not first.HasField("served"):
             return cls(decode_worker, None)
         s = first.served
+        fetched = {"prefix_source": s.prefix_source, "prefix_blocks": s.prefix_blocks} if s.prefix_source else {}
         if s.prefill_worker:
             return cls(decode_worker, "remote", prefill_worker=s.prefill_worker, kv_blocks=s.kv_blocks,
-                       cached_tokens=s.cached_prompt_tokens)
+                       cached_tokens=s.cached_prompt_tokens, **fetched)
         if s.local_prefill == pb.LOCAL_PREFILL_NONE:  # a remote prefill that ended (an abort) before any KV came
-            return cls(decode_worker, None, cached_tokens=s.cached_prompt_tokens)
+            return cls(decode_worker, None, cached_tokens=s.cached_prompt_tokens, **fetched)
         return cls(decode_worker, "local", local_prefill_reason=local_prefill_name(s.local_prefill),
-                   cached_tokens=s.cached_prompt_tokens)
+                   cached_tokens=s.cached_prompt_tokens, **fetched)
 
     def fields(self) -> dict[str, str | int]:
         """The facts known, by name (common/trace.py SERVED_FIELDS)."""

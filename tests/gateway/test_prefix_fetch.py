@@ -96,6 +96,8 @@ def test_a_prefix_held_by_a_sibling_is_fetched_not_computed(pair):
         # A holds the continuation's 7 full blocks (it answered it); the last token is always computed.
         held = (len(prompt + tail) - 1) // BS
         assert int(r.headers["x-pdserve-cached-tokens"]) == held * BS  # only the tail past them was computed on B
+        assert r.headers["x-pdserve-prefix-source"] == holder.address  # ... and they came from A
+        assert int(r.headers["x-pdserve-prefix-blocks"]) == held
         after = _metrics(url)
         assert _sample(after, "pdserve_engine_prefix_tier_tokens_total", worker=taker_name, tier="sibling") == held * BS
         assert _sample(after, "pdserve_prefix_fetches_total", worker=taker_name, outcome="fetched") == 1
@@ -108,6 +110,7 @@ def test_a_prefix_held_by_a_sibling_is_fetched_not_computed(pair):
         # nothing is fetched; B computes the whole prompt.
         r = _complete(url, prompt + tail, cache_salt="another-tenant")
         assert int(r.headers["x-pdserve-cached-tokens"]) == 0
+        assert "x-pdserve-prefix-source" not in r.headers
         again = _metrics(url)
         for name in (name_a, name_b):
             assert _sample(again, "pdserve_prefix_fetches_total", worker=name, outcome="fetched") == (

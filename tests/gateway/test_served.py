@@ -34,3 +34,13 @@ def test_an_abort_before_any_kv_does_not_claim_a_local_prefill():
 def test_an_answer_rewritten_keeps_only_the_served_headers():
     assert served_headers({"x-pdserve-prefill": "remote", "content-type": "text/event-stream",
                            "x-request-id": "r1"}) == {"x-pdserve-prefill": "remote"}
+
+
+def test_blocks_fetched_from_a_sibling_name_it():
+    local = Served.of("d:1", _first(local_prefill=pb.LOCAL_PREFILL_NO_PREFILL_WORKER, cached_prompt_tokens=96,
+                                     prefix_source="d:2", prefix_blocks=6)).headers()
+    assert local["x-pdserve-prefix-source"] == "d:2" and local["x-pdserve-prefix-blocks"] == "6"
+    remote = Served.of("d:1", _first(prefill_worker="p:1", kv_blocks=1, cached_prompt_tokens=32,
+                                     prefix_source="d:3", prefix_blocks=2)).headers()
+    assert remote["x-pdserve-prefix-source"] == "d:3" and remote["x-pdserve-prefix-blocks"] == "2"
+    assert "x-pdserve-prefix-source" not in Served.of("d:1", _first(prefill_worker="p:1")).headers()
