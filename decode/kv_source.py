@@ -12,7 +12,7 @@ worker (`abort`: confirmed once nothing is in flight). Kept blocks nobody pulls 
 `hold_s` are released; a drain waits for them (they are held blocks: worker/holdings.py).
 
 It also pushes a prompt's leading blocks from this worker's prefix cache to a sibling that
-fetches them instead of computing them (`pull_prefix`, decode/prefix_fetch.py): the worker
+fetches them instead of computing them (`pull_prefix`, worker/prefix_fetch.py): the worker
 pins the blocks, this pushes them and unpins them through the worker's callback once the
 push ends, however it ends.
 
@@ -110,7 +110,7 @@ class KVSource:
                     unpin: Callable[[], None]) -> None:
         """Push `blocks` (this pool's blocks of the prompt's leading run after the taker's
         cached ones, pinned by the caller) into the first of the blocks `req` names, for a
-        sibling that fetches a prefix instead of computing it (decode/prefix_fetch.py);
+        sibling that fetches a prefix instead of computing it (worker/prefix_fetch.py);
         `unpin` runs once the push ended, however it ended. ValueError (nothing started, the
         caller unpins) when the request or its destination does not check out."""
         rid = req.request_id

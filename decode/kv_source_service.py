@@ -1,6 +1,6 @@
 """gRPC face of a decode worker as a KV source: the PrefillWorker service's Prefill and
 Abort, for the decode workers that take over its handed-off requests (decode/kv_source.py)
-and those that fetch a prompt's prefix from its prefix cache (decode/prefix_fetch.py).
+and those that fetch a prompt's prefix from its prefix cache (worker/prefix_fetch.py).
 A taker asks it exactly as it asks a prefill worker (decode/remote_prefill.py), so its
 attempts, aborts and fallbacks (the next worker, or a local prefill) apply unchanged."""
 

@@ -16,10 +16,6 @@ MIGRATIONS = Counter("pdserve_migrations", "Handed-off requests whose KV this de
 FALLBACKS = Counter("pdserve_prefill_fallbacks", "Remote prefills that ended prefilled here, by cause: "
                     "send_failed, prefill_failed, transfer_failed (every prefill worker tried failed, the last "
                     "in its prefill or in its KV transfer), deadline, abort_unconfirmed", ["cause"])
-PREFIX_FETCHES = Counter("pdserve_prefix_fetches", "Prompt prefixes this decode worker was offered from a sibling's "
-                        "prefix cache (GenerateRequest.prefix_source), by outcome: fetched (every block asked "
-                        "for came over), partial (the holder had evicted some), failed, skipped_cost (predicted "
-                        "slower than computing them), skipped_room (no free blocks for them now)", ["outcome"])
 PREFIX_SERVED = Counter("pdserve_prefix_served_blocks", "KV blocks of this worker's prefix cache pushed to a sibling "
                         "decode worker that fetched them instead of computing them")
 for _where in ("remote", "local", "kv_source"):  # every series present (at 0) from the start, as a dashboard expects
@@ -28,5 +24,3 @@ for _cause in ("send_failed", "prefill_failed", "transfer_failed", "deadline", "
     FALLBACKS.labels(_cause)
 for _outcome in ("kept", "pushed", "failed", "aborted", "expired", "refused"):
     MIGRATIONS.labels(_outcome)
-for _outcome in ("fetched", "partial", "failed", "skipped_cost", "skipped_room"):
-    PREFIX_FETCHES.labels(_outcome)

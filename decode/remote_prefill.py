@@ -4,7 +4,7 @@
 the shape of transfer/'s pusher and receiver; the decode worker applies the events to its
 engine and streams. It never touches the engine itself.
 
-Each attempt asks one prefill worker (decode/prefill_peers.py: only members of the
+Each attempt asks one prefill worker (worker/peers.py: only members of the
 deployment, each proven before it is offered) to fill the reserved blocks, and waits for
 both its Prefill reply and its KV notification (KVReceiver). An attempt that fails while
 the prefill worker may still be writing is aborted first (Abort RPC), and the next attempt
@@ -24,21 +24,15 @@ from collections.abc import Callable
 import grpc
 
 from common import trace
-from decode.prefill_peers import PrefillPeers
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Released
-from decode.remote_prefill_state import Phase, RemotePrefillState, new_transfer_id, request_of
-from decode.unconfirmed_aborts import (
-    ABORT_RETRY_S,
-    ABORT_TIMEOUT_S,
-    DEFAULT_ABORT_BOUND_S,
-    UnconfirmedAborts,
-    abort_answered,
-)
+from decode.remote_prefill_state import Phase, RemotePrefillState
+from decode.unconfirmed_aborts import DEFAULT_ABORT_BOUND_S, UnconfirmedAborts
 from engine.scheduler import RemotePrefill
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import logprobs_from_pb, params_to_pb
 from transfer import KVReceiver, ReceiveEvent, ReceiveStatus, TransferAgent
+from worker.peers import ABORT_RETRY_S, ABORT_TIMEOUT_S, KVPeers, abort_answered, new_transfer_id, request_of
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +40,20 @@ log = logging.getLogger(__name__)
 class RemotePrefills:
     """Every remote prefill of one decode worker (its loop thread), keyed by request id."""
 
-    def __init__(self, agent: TransferAgent, abort_bound_s: float = DEFAULT_ABORT_BOUND_S):
+    def __init__(self, agent: TransferAgent, abort_bound_s: float = DEFAULT_ABORT_BOUND_S,
+                 address: Callable[[], str] = lambda: ""):
         self.agent = agent
+        self.address = address  # this worker's gRPC address (empty until bound): a Prefill's kv_holder
         self.abort_bound_s = abort_bound_s
         self.receiver = KVReceiver(agent)
         self.states: dict[str, RemotePrefillState] = {}
-        self.peers = PrefillPeers()
+        self.peers = KVPeers()
         self.unconfirmed = UnconfirmedAborts(self.peers, self._ask_abort)  # quarantined blocks
         self._transfer_info = agent.info().to_bytes()
         self._events: list[Event] = []
         self._progress_failed = False
         # The shared receiver's notifications for this worker's other transfers (its prefix
-        # fetches: decode/prefix_fetch.py); True when the hook took the event.
+        # fetches: worker/prefix_fetch.py); True when the hook took the event.
         self.others: Callable[[ReceiveEvent], bool] | None = None
 
     def __contains__(self, request_id: str) -> bool:
@@ -171,7 +167,7 @@ class RemotePrefills:
 
     def proven(self, addresses: list[str], timeout_s: float) -> list[str]:
         """The offered prefill workers that proved they belong to this deployment (the
-        request's RPC thread: decode/prefill_peers.py)."""
+        request's RPC thread: worker/peers.py)."""
         return self.peers.proven(addresses, timeout_s)
 
     # -- one request ----------------------------------------------------------------------
@@ -203,6 +199,8 @@ class RemotePrefills:
             decode_transfer_info=self._transfer_info,
             kv_request_id=source.request_id if source is not None and state.worker == source.address else "",
         )
+        if state.num_cached_tokens and not req.kv_request_id:  # its prefill worker may fetch them from here
+            req.kv_holder = self.address()
         timeout = max(0.1, state.deadline - time.monotonic())
         state.phase, state.kv_complete, state.first_token = Phase.PREFILLING, False, None
         # Before the call: the prefill worker may log its arrival before .future() returns.

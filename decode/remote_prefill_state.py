@@ -12,7 +12,6 @@ start, so no stale write lands in blocks another worker is filling.
 from __future__ import annotations
 
 import enum
-import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -61,11 +60,3 @@ class RemotePrefillState:
     def has_next_worker(self) -> bool:
         return self.attempt + 1 < len(self.prefill_workers)
 
-
-def new_transfer_id(request_id: str, attempt: int) -> str:
-    """`request_id.attempt.nonce`: what one attempt's notifications are matched by."""
-    return f"{request_id}.{attempt}.{secrets.token_hex(4)}"
-
-
-def request_of(transfer_id: str) -> str:
-    return transfer_id.rsplit(".", 2)[0]

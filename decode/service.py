@@ -24,7 +24,6 @@ import grpc
 from common import trace
 from common.grammar_spec import GrammarError
 from common.sampling_params import SamplingParams
-from decode.prefix_fetch import Fetched
 from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
@@ -32,6 +31,7 @@ from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.convert import params_from_pb
 from worker.loop import ShuttingDown
+from worker.prefix_fetch import Fetched
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     def _fetch_prefix(self, rid: str, request: pb.GenerateRequest) -> Fetched | None:
         """Bring the prompt's leading blocks a sibling holds into this pool before the loop
-        sees the request, so its schedule finds them cached (decode/prefix_fetch.py). Any
+        sees the request, so its schedule finds them cached (worker/prefix_fetch.py). Any
         failure leaves the request to compute them: this never refuses it."""
         src = request.prefix_source
         if src.address not in self.worker.proven_prefill_workers([src.address], PROVE_TIMEOUT_S):

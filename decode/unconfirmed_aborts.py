@@ -3,7 +3,7 @@
 
 decode/remote_prefill.py aborts an attempt that failed while its prefill worker may still be
 writing (the Abort RPC) and holds the request's blocks until the worker confirms nothing of
-it is in flight or is proven gone (decode/prefill_peers.py). A prefill worker that does
+it is in flight or is proven gone (worker/peers.py). A prefill worker that does
 neither within `abort_bound_s` costs the bound and some blocks, never a hung request: the
 blocks are set aside here under a quarantine id of their own (a `Quarantined` event: the
 engine holds them out of use) and the request goes on without them. The Abort is asked
@@ -21,28 +21,15 @@ from dataclasses import dataclass
 
 import grpc
 
-from decode.prefill_peers import PrefillPeers
 from decode.remote_prefill_events import Quarantined, Released
 from decode.remote_prefill_state import RemotePrefillState
+from worker.peers import ABORT_RETRY_S, KVPeers, abort_answered
 
 log = logging.getLogger(__name__)
 
-ABORT_TIMEOUT_S = 10.0  # one Abort call: a network bound (the prefill worker answers from its RPC thread)
-ABORT_RETRY_S = 1.0  # an Abort that failed without proof is asked again after this
 DEFAULT_ABORT_BOUND_S = 30.0  # unconfirmed this long: the request goes on without its blocks
 
 
-def abort_answered(rpc: grpc.Future, request_id: str, worker: str, peers: PrefillPeers) -> bool:
-    """The abort is confirmed (nothing of the request in flight) or the worker proven gone."""
-    try:
-        rpc.result()
-        return True
-    except grpc.RpcError as e:
-        if peers.gone(worker, e):
-            return True
-        log.warning("request %s: %s did not confirm the abort (%s: %s); its blocks stay out of use",
-                    request_id, worker, e.code().name, e.details())
-        return False
 
 
 @dataclass
@@ -60,7 +47,7 @@ class UnconfirmedAborts:
     """The blocks set aside by one decode worker (its loop thread), by quarantine id.
     `ask_abort(worker, request_id)` sends one Abort."""
 
-    def __init__(self, peers: PrefillPeers, ask_abort: Callable[[str, str], grpc.Future]):
+    def __init__(self, peers: KVPeers, ask_abort: Callable[[str, str], grpc.Future]):
         self.peers = peers
         self.ask_abort = ask_abort
         self.set_aside: dict[str, Unconfirmed] = {}

@@ -29,7 +29,6 @@ from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
 from decode.kv_source import KVSource
-from decode.prefix_fetch import Fetched, PrefixFetches
 from decode.remote_prefill import RemotePrefills
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
 from decode.step_batches import Outlet, StepBatches
@@ -44,6 +43,7 @@ from worker import metrics as worker_metrics
 from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
+from worker.prefix_fetch import Fetched, PrefixFetches
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class _Stream:
     local_prefill: int = pb.LOCAL_PREFILL_NONE  # why it is prefilled here (NONE: a remote prefill's KV)
     prefill_worker: str = ""  # whose KV it decodes from, once that KV is here
     kv_blocks: int = 0  # ... and how many blocks of it came over
-    prefix_source: str = ""  # the sibling whose prefix blocks it fetched (decode/prefix_fetch.py)
+    prefix_source: str = ""  # the sibling whose prefix blocks it fetched (worker/prefix_fetch.py)
     prefix_blocks: int = 0
     announced: bool = False  # its first message (with how it was served) has gone out
 
@@ -80,7 +80,7 @@ class DecodeWorker(EngineLoop):
         super().__init__(engine, name=f"{name}-loop", stall_floor_s=stall_floor_s)
         self.name = name
         self.agent = agent
-        self.remote = RemotePrefills(agent, abort_bound_s) if agent is not None else None
+        self.remote = RemotePrefills(agent, abort_bound_s, lambda: self.address) if agent is not None else None
         self.source = KVSource(agent, engine.block_size) if agent is not None else None
         self.kv_hand_off = kv_hand_off  # a hand-off keeps KV for the taker (False: the taker prefills)
         self.local_prefill_threshold = local_prefill_threshold
@@ -107,7 +107,7 @@ class DecodeWorker(EngineLoop):
         `output_token_ids`: a replay's tokens so far (their KV but the last's comes from the
         prefill workers, or is computed here); `kv_source`: a hand-off's, whose KV that decode
         worker kept (it heads `prefill_workers`: asked first, always); `fetched`: the prompt
-        blocks its admission fetched from a sibling (decode/prefix_fetch.py), now cached here."""
+        blocks its admission fetched from a sibling (worker/prefix_fetch.py), now cached here."""
         if self.closing:
             raise ShuttingDown(f"request {request_id}: {self.name} is shutting down")
         if (self.remote is not None and request_id in self.remote) or self.engine.holds_blocks(request_id):
@@ -218,7 +218,8 @@ class DecodeWorker(EngineLoop):
     def fetch_prefix(self, request_id: str, tokens: list[int], cache_salt: str,
                      source: pb.PrefixSource) -> Future | None:
         """Have a sibling decode worker push the prompt's leading blocks it holds and this
-        pool lacks (decode/prefix_fetch.py); the future resolves to a `Fetched`. None: nothing to fetch, not worth it, no room or no agent."""
+        pool lacks (worker/prefix_fetch.py); the future resolves to a `Fetched`. None: nothing
+        to fetch, not worth it, no room or no agent."""
         if self.fetches is None or self.closing:
             return None
         budget = self.remote_prefill_budget_s(source.blocks * self.engine.block_size)

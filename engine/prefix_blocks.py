@@ -1,5 +1,5 @@
 """A prompt's leading blocks in an engine's KV pool, as a cross-worker prefix fetch sees them
-(decode/prefix_fetch.py on the worker that fetches, decode/kv_source.py on the one that
+(worker/prefix_fetch.py on the worker that fetches, decode/kv_source.py on the one that
 holds): which of them the pool finds in a row, pinned while a push reads or writes them,
 blocks allocated for a push to fill, and those made findable under their hashes.
 

@@ -136,7 +136,7 @@ class Router:
     def prefix_source(self, hashes: Sequence[bytes], chosen: WorkerState) -> tuple[str, int] | None:
         """Another healthy decode worker holding more of the prompt's leading blocks than
         `chosen` does, as (address, blocks it holds in a row): where `chosen` may fetch them
-        from instead of computing them (decode/prefix_fetch.py). None when no one holds more."""
+        from instead of computing them (worker/prefix_fetch.py). None when no one holds more."""
         others = [w.address for w in self.decode if w is not chosen and w.healthy]
         if not hashes or not others or not self.use_index:
             return None

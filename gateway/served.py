@@ -41,7 +41,7 @@ class Served:
     kv_blocks: int | None = None
     local_prefill_reason: str | None = None
     cached_tokens: int | None = None
-    prefix_source: str | None = None  # decode/prefix_fetch.py: only when blocks came from it
+    prefix_source: str | None = None  # worker/prefix_fetch.py: only when blocks came from it
     prefix_blocks: int | None = None
 
     @classmethod

@@ -17,6 +17,9 @@ from worker.push_calls import confirm_abort, wait_for_reply
 
 log = logging.getLogger(__name__)
 
+PROVE_TIMEOUT_S = 10.0  # the holder's answer to Prove: a network bound, not an engine one
+FETCH_BOUND_S = 60.0  # a prefix fetch from the asking decode worker, at most (else: computed)
+
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker):
@@ -35,6 +38,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         try:
             params = params_from_pb(request.params)
             self.worker.engine.compile_grammar(params)  # here, not on the loop: others' steps go on
+            if request.kv_holder and request.destination.num_cached_tokens >= self.worker.block_size:
+                self._fetch_prefix(request, context)
             self.worker.call(lambda: self.worker.add(request, params, reply, context.time_remaining()),
                              timeout=self.worker.loop_wait_s())
         except QueueFull as e:
@@ -54,6 +59,29 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if not context.add_callback(abort):  # the caller left while the request was being admitted
             abort()
         return wait_for_reply(reply, context, rid)
+
+    def _fetch_prefix(self, request: pb.PrefillRequest, context: grpc.ServicerContext) -> None:
+        """Bring the prompt blocks the asking decode worker holds and this pool lacks here
+        before the loop sees the request, so its schedule finds them cached (a conversation's
+        earlier turns decoded there; worker/prefix_fetch.py). Any failure leaves the request
+        to compute them: this never refuses it."""
+        rid = request.request_id
+        holder = request.kv_holder
+        if holder not in self.worker.fetches.peers.proven([holder], PROVE_TIMEOUT_S):
+            return  # it did not prove it belongs to this deployment: nothing is asked of it
+        bound = min(context.time_remaining() or FETCH_BOUND_S, FETCH_BOUND_S)
+        try:
+            done = self.worker.call(lambda: self.worker.fetch_prefix(
+                rid, list(request.prompt_token_ids), request.cache_salt, holder,
+                request.destination.num_cached_tokens, bound), timeout=self.worker.loop_wait_s())
+        except (TimeoutError, ShuttingDown):
+            return
+        if done is None:
+            return
+        try:  # the fetch's own deadline resolves it first
+            done.result(timeout=bound + 5.0)
+        except Exception:  # the request computes the prefix
+            log.exception("request %s: prefix fetch from %s failed", rid, holder)
 
     def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
         """Answered at once, whatever the loop is doing: the check reads the new list next."""

@@ -6,7 +6,10 @@ step, several prompts per forward, priorities, its own prefix cache); after ever
 the blocks that became complete are pushed while the next chunk computes, and the last
 push carries the notification. A request keeps its blocks only until its push ends (they
 stay in the prefix cache afterwards); the Prefill reply (first token, timings) is sent
-then. Abort stops the request and is confirmed once no write is in flight.
+then. Abort stops the request and is confirmed once no write is in flight. Prompt blocks
+the asking decode worker holds cached and this worker's own cache lacks (a conversation's
+earlier answer, decoded there) are first fetched from it over NIXL instead of computed
+(prefill/service.py, worker/prefix_fetch.py).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from common.sampling_params import SamplingParams
 from engine.llm_engine import LLMEngine, StepResult
 from rpc import pdserve_pb2 as pb
 from rpc.convert import logprobs_to_pb
-from transfer import KVPusher, PushStatus, TransferAgent
+from transfer import KVPusher, KVReceiver, PushStatus, TransferAgent
 from worker import metrics as worker_metrics
 from worker.destination import checked_destination
 from worker.holdings import Holdings
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop, ShuttingDown
+from worker.peers import KVPeers
+from worker.prefix_fetch import PrefixFetches
 from worker.push_calls import EarlyAborts
 
 log = logging.getLogger(__name__)
@@ -70,6 +75,10 @@ class PrefillWorker(EngineLoop):
         # first list arrives: a worker started by hand takes any destination that checks out.
         self.members: frozenset[str] | None = None
         self._early_aborts = EarlyAborts()
+        # Prompt blocks the asking decode worker holds and this pool lacks, fetched from it
+        # instead of computed (worker/prefix_fetch.py; Prefill's kv_holder).
+        self.fetches = PrefixFetches(agent, KVReceiver(agent), KVPeers(), engine,
+                                     lambda: self.liveness.prefill_tokens_per_s)
 
     def set_members(self, decode_agents: list[str]) -> None:
         """The controller's list of decode agents (any thread: one assignment); connections
@@ -107,6 +116,16 @@ class PrefillWorker(EngineLoop):
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
                  num_blocks - skip)
 
+    def fetch_prefix(self, request_id: str, tokens: list[int], cache_salt: str, holder: str,
+                     held_tokens: int, timeout_s: float) -> Future | None:
+        """Have `holder` (the asking decode worker) push the prompt blocks among its first
+        `held_tokens` that this pool lacks (worker/prefix_fetch.py); the future resolves to a
+        `Fetched`. None: nothing to fetch, not worth it, or no room."""
+        if self.closing:
+            return None
+        source = pb.PrefixSource(address=holder, blocks=held_tokens // self.block_size)
+        return self.fetches.start(request_id, tokens, cache_salt, source, timeout_s)
+
     def drop_departed_peers(self) -> None:
         """Disconnect from decode agents no longer in the membership, except those a push is
         still writing to (the next membership round drops them)."""
@@ -119,7 +138,7 @@ class PrefillWorker(EngineLoop):
             self.agent.remove_peer(name)
 
     def holds_work(self) -> bool:
-        return bool(self.requests)  # each until its push has ended or been cancelled
+        return bool(self.requests) or len(self.fetches) > 0  # each until nothing of it is in flight
 
     def holdings(self) -> Holdings:
         return Holdings(self.calls.open, len(self.requests), held_blocks=self.engine.num_held())
@@ -129,6 +148,7 @@ class PrefillWorker(EngineLoop):
         in flight, and its decode worker moves on to another prefill worker or itself)."""
         for request_id in list(self.requests):
             self.abort(request_id)
+        self.fetches.abort_all()
 
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
@@ -188,6 +208,10 @@ class PrefillWorker(EngineLoop):
             time.sleep(0.0002)  # not a spin: the decode worker whose progress this waits on may share the CPU
 
     def poll(self) -> bool:
+        if len(self.fetches):
+            for ev in self.fetches.receiver.poll():
+                self.fetches.on_receive(ev)
+            self.fetches.poll()
         events = self.pusher.poll()
         for ev in events:
             p = self.requests.pop(ev.request_id, None)

@@ -77,6 +77,7 @@ class EngineLoop:
         self.last_iteration = time.monotonic()  # a stalled loop stops moving this
         self.num_errors = 0  # iterations that raised (logged); the loop keeps going
         self.closing = False  # shutting down: no new request is taken
+        self.address = ""  # its gRPC address, once its server is bound (worker/process.py serve)
         self.failing = 0  # iterations in a row that raised; 0 once one succeeds
         self.last_error = ""
         self._step_log = envs.step_log_enabled()

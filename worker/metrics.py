@@ -30,10 +30,17 @@ PREFIX_HIT_TOKENS = Counter("pdserve_engine_prefix_cache_hit_tokens",
                             "Prompt tokens served by this worker's prefix cache (not computed, not transferred)")
 # Where the prefix cache's hits came from before they were hits: blocks brought into the pool
 # instead of computed, from the worker's disk tier (engine/disk_tier.py) or from a sibling
-# worker's pool over NIXL (decode/prefix_fetch.py). Tokens, a block's worth each.
+# worker's pool over NIXL (worker/prefix_fetch.py). Tokens, a block's worth each.
 PREFIX_TIER_TOKENS = Counter("pdserve_engine_prefix_tier_tokens",
                              "Prompt tokens brought into this worker's KV pool from a lower tier instead of "
                              "computed, by tier: disk or sibling", ["tier"])
+PREFIX_FETCHES = Counter("pdserve_prefix_fetches", "Prompt prefixes this worker was offered from another worker's "
+                         "prefix cache (a decode worker's prefix source, a prefill worker's asking decode worker), "
+                         "by outcome: fetched (every block asked for came over), partial (the holder had evicted "
+                         "some), failed, skipped_cost (predicted slower than computing them), skipped_room (no "
+                         "free blocks for them now)", ["outcome"])
+for _outcome in ("fetched", "partial", "failed", "skipped_cost", "skipped_room"):
+    PREFIX_FETCHES.labels(_outcome)
 
 
 _STEP_METRICS = envs.step_metrics_enabled()  # read once: this runs every step

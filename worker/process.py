@@ -227,6 +227,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")
     server.add_generic_rpc_handlers((proof.handler(token, f"{host}:{bound}"),))  # clients check it first
+    worker.address = f"{host}:{bound}"
     worker.warm_up()  # before it is ready: the longest step to expect, measured, not assumed
     worker.start()
     server.start()

@@ -1,4 +1,4 @@
-"""Cross-worker prefix fetch on real workers (decode/prefix_fetch.py): two decode workers of
+"""Cross-worker prefix fetch on real workers (worker/prefix_fetch.py): two decode workers of
 an aggregated system, A and B. A serves a prompt and caches it; a gateway over both, whose
 prefix index knows A's blocks, sends the prompt's continuation to B (A is busy with a long
 stream, so B has the least work) naming A as its prefix source: B has A push the prompt's

@@ -36,15 +36,12 @@ import grpc
 
 from common import trace
 from common.block_hash import block_hashes
-from decode import metrics
-from decode.prefill_peers import PrefillPeers
-from decode.remote_prefill_state import new_transfer_id
-from decode.unconfirmed_aborts import ABORT_RETRY_S, ABORT_TIMEOUT_S, abort_answered
 from engine import prefix_blocks as blocks_of
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
 from transfer import KVReceiver, ReceiveEvent, ReceiveStatus, TransferAgent
-from worker import metrics as worker_metrics
+from worker import metrics
+from worker.peers import ABORT_RETRY_S, ABORT_TIMEOUT_S, KVPeers, abort_answered, new_transfer_id
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +87,7 @@ class _Fetch:
 class PrefixFetches:
     """Every prefix fetch of one decode worker (its loop thread), by its transfer id."""
 
-    def __init__(self, agent: TransferAgent, receiver: KVReceiver, peers: PrefillPeers, engine: LLMEngine,
+    def __init__(self, agent: TransferAgent, receiver: KVReceiver, peers: KVPeers, engine: LLMEngine,
                  prefill_tokens_per_s: Callable[[], float]):
         self.agent, self.receiver, self.peers, self.engine = agent, receiver, peers, engine
         self.block_size = engine.block_size
@@ -101,9 +98,6 @@ class PrefixFetches:
 
     def __len__(self) -> int:
         return len(self.fetches)
-
-    def blocks_held(self) -> int:
-        return sum(len(f.blocks) + len(f.pinned) for f in self.fetches.values())
 
     # -- commands -------------------------------------------------------------------------
 
@@ -218,7 +212,7 @@ class PrefixFetches:
             rate = seconds / pushed
             self.seconds_per_block = rate if self.seconds_per_block is None else (
                 RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.seconds_per_block)
-            worker_metrics.PREFIX_TIER_TOKENS.labels("sibling").inc(found * self.block_size)
+            metrics.PREFIX_TIER_TOKENS.labels("sibling").inc(found * self.block_size)
         outcome = "fetched" if pushed == asked else "partial"
         self._resolve(f, outcome, f"{pushed} of {asked} blocks in {seconds:.3f}s", pushed=pushed)
 

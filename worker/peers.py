@@ -1,6 +1,8 @@
-"""The prefill workers a decode worker may ask, as decode/remote_prefill.py sees them: the
-deployment's membership, one channel per address, the proof each offered worker gives
-before it is asked, and what proves a worker can no longer be writing.
+"""The workers a worker asks to write KV into its pool (a decode worker's prefill workers and
+KV sources, decode/remote_prefill.py; the sibling a prefix is fetched from,
+worker/prefix_fetch.py): the deployment's membership, one channel per address, the proof
+each offered worker gives before it is asked, what proves a worker can no longer be
+writing, what counts as an answer to an Abort, and the ids their notifications carry.
 
 Membership (`set_members`, from the deploy controller's SetPeers): once known, only its
 workers are asked (and proven), and a worker that leaves it is gone (the controller removes
@@ -14,6 +16,7 @@ its answer.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 
 import grpc
@@ -23,6 +26,9 @@ from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc.proof import NotProven
 
 log = logging.getLogger(__name__)
+
+ABORT_TIMEOUT_S = 10.0  # one Abort call: a network bound (the writer answers from its RPC thread)
+ABORT_RETRY_S = 1.0  # an Abort that failed without proof is asked again after this
 
 
 def worker_is_gone(error: BaseException) -> bool:
@@ -39,7 +45,7 @@ def worker_is_gone(error: BaseException) -> bool:
         error.code() is grpc.StatusCode.UNAVAILABLE and "connection refused" in (error.details() or "").lower())
 
 
-class PrefillPeers:
+class KVPeers:
     """The membership and the channels of one decode worker's prefill workers. `members` may
     be set from any thread (one assignment); the channels are opened by the loop and the RPC
     threads (proving) both, under a lock."""
@@ -94,3 +100,25 @@ class PrefillPeers:
                 ch = auth.channel(address)
                 entry = self._channels[address] = (ch, pb_grpc.PrefillWorkerStub(ch))
             return entry
+
+
+def abort_answered(rpc: grpc.Future, request_id: str, worker: str, peers: KVPeers) -> bool:
+    """The abort is confirmed (nothing of the request in flight) or the worker proven gone."""
+    try:
+        rpc.result()
+        return True
+    except grpc.RpcError as e:
+        if peers.gone(worker, e):
+            return True
+        log.warning("request %s: %s did not confirm the abort (%s: %s); its blocks stay out of use",
+                    request_id, worker, e.code().name, e.details())
+        return False
+
+
+def new_transfer_id(request_id: str, attempt: int) -> str:
+    """`request_id.attempt.nonce`: what one attempt's notifications are matched by."""
+    return f"{request_id}.{attempt}.{secrets.token_hex(4)}"
+
+
+def request_of(transfer_id: str) -> str:
+    return transfer_id.rsplit(".", 2)[0]
