@@ -94,7 +94,7 @@ class PrefixFetches:
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.seconds_per_block: float | None = None  # measured, over completed fetches
         self.fetches: dict[str, _Fetch] = {}
-        self._transfer_info = agent.info().to_bytes()
+        self._transfer_info: bytes | None = None  # this agent's, once a fetch needs it
 
     def __len__(self) -> int:
         return len(self.fetches)
@@ -116,6 +116,8 @@ class PrefixFetches:
             metrics.PREFIX_FETCHES.labels("skipped_cost").inc()
             trace.event(request_id, "prefix_fetch_skipped", why="cost", blocks=len(wanted))
             return None
+        if self._transfer_info is None:
+            self._transfer_info = self.agent.info().to_bytes()
         blocks_of.pin(self.engine, local)  # before the allocation, which could evict them
         blocks = blocks_of.allocate(self.engine, len(wanted))
         if blocks is None:
