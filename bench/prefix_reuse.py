@@ -138,6 +138,10 @@ def metrics_delta(start: Samples, end: Samples) -> dict:
 
     prompt = delta("pdserve_engine_prompt_tokens_total", "role")
     hits = delta("pdserve_engine_prefix_cache_hit_tokens_total", "role")
+    by_role: dict[str, dict[str, int]] = {}
+    for key, n in delta("pdserve_prefix_fetches_total", "role", "outcome").items():
+        role, outcome = key.split("/")
+        by_role.setdefault(role, {})[outcome] = n
     disk = {name: sum(delta(f"pdserve_engine_kv_disk_{name}_total").values())
             for name in ("blocks_written", "blocks_loaded", "corrupt_blocks", "dropped_saves", "failed_writes")}
     disk.update({name: round(sum(by_label(end, f"pdserve_engine_kv_disk_{name}").values()))
@@ -145,7 +149,8 @@ def metrics_delta(start: Samples, end: Samples) -> dict:
     return {"prompt_tokens": prompt, "prefix_hit_tokens": hits,
             "computed_tokens": {role: prompt[role] - hits.get(role, 0) for role in prompt},
             "tier_tokens": delta("pdserve_engine_prefix_tier_tokens_total", "tier"),
-            "fetches": delta("pdserve_prefix_fetches_total", "outcome"),
+            # a decode worker's fetches from its prefix source; a prefill worker's from the asking decode worker
+            "fetches": by_role.get("decode", {}), "prefill_fetches": by_role.get("prefill", {}),
             "served_blocks": sum(delta("pdserve_prefix_served_blocks_total").values()),
             "routes": delta("pdserve_prefix_routes_total", "pool", "by"),
             "matched_blocks": delta("pdserve_prefix_matched_blocks_total", "pool"),
@@ -234,7 +239,8 @@ def summarize(turns: list[Turn]) -> dict:
     return {"turns": [asdict(t) for t in turns], "failed": len(turns) - len(ok),
             "ttft_s": distribution([t.ttft_s for t in ok]), "e2e_s": distribution([t.e2e_s for t in ok]),
             "prompt_tokens": sent, "cached_answers": cached, "computed_answers": sent - cached,
-            "headers_agree": all(t.header_cached_tokens == t.cached_tokens for t in ok), "moved_turns": moved}
+            "headers_agree": all(t.header_cached_tokens == t.cached_tokens for t in ok), "moved_turns": moved,
+            "sibling_blocks": sum(t.prefix_blocks for t in ok)}
 
 
 # ---- the comparison -----------------------------------------------------------------------------
@@ -301,8 +307,9 @@ def table(results: list[dict]) -> str:
         m = r.get("metrics")
         if m:
             lines.append(f"{r['config']}: routes {m['routes'] or '-'}, fetches {m['fetches'] or '-'}, "
-                         f"prefix sources {m['prefix_sources']}, disk {m['disk']}, x-pdserve-cached-tokens "
-                         f"{'equal' if r['headers_agree'] else 'NOT equal'} to usage's cached_tokens")
+                         f"prefix sources {m['prefix_sources']}, disk {m['disk']}; x-pdserve-cached-tokens "
+                         f"{'equal' if r['headers_agree'] else 'NOT equal'} to usage's cached_tokens, "
+                         f"x-pdserve-prefix-blocks {r['sibling_blocks']} blocks from a sibling")
         if r.get("error"):
             lines.append(f"{r['config']}: ERROR {r['error'][:300]}")
     return "\n".join(lines)

@@ -85,6 +85,8 @@ class Turn:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     header_cached_tokens: int | None = None  # x-pdserve-cached-tokens
     decode_worker: str = ""  # x-pdserve-decode-worker
+    prefix_source: str = ""  # x-pdserve-prefix-source: the sibling it fetched prompt blocks from
+    prefix_blocks: int = 0  # x-pdserve-prefix-blocks: how many (counted in the cached tokens)
     ttft_s: float | None = None  # send -> the first SSE chunk with content
     e2e_s: float | None = None  # send -> [DONE]
     text: str = ""
@@ -115,6 +117,8 @@ async def chat_turn(http: httpx.AsyncClient, url: str, model: str, conv: Convers
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
                 return rec
             rec.decode_worker = resp.headers.get("x-pdserve-decode-worker", "")
+            rec.prefix_source = resp.headers.get("x-pdserve-prefix-source", "")
+            rec.prefix_blocks = int(resp.headers.get("x-pdserve-prefix-blocks", 0))
             cached = resp.headers.get("x-pdserve-cached-tokens")
             rec.header_cached_tokens = int(cached) if cached is not None else None
             async for line in resp.aiter_lines():

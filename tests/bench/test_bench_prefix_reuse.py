@@ -52,17 +52,21 @@ def test_the_metrics_are_what_the_workload_added_summed_over_workers():
     m = metrics_delta(_samples(100, 20, 0, 0, 0), _samples(1100, 620, 320, 40, 40))
     assert m["prompt_tokens"] == {"decode": 1000} and m["prefix_hit_tokens"] == {"decode": 600}
     assert m["computed_tokens"] == {"decode": 400}
-    assert m["tier_tokens"] == {"sibling": 320} and m["fetches"] == {"fetched": 20}
+    assert m["tier_tokens"] == {"sibling": 320} and m["fetches"] == {"fetched": 20} and m["prefill_fetches"] == {}
     assert m["routes"] == {} and m["preemptions"] == 0  # unchanged counters are left out
     assert m["disk"]["blocks_written"] == 40 and m["disk"]["entries"] == 40 and m["disk"]["max_bytes"] == 0
 
 
 def test_the_client_summary_counts_computed_tokens_and_turns_that_moved():
-    turns = [Turn(0, 0, 500, 0, 0, "a", 0.5, 1.0, "x"), Turn(1, 0, 500, 480, 480, "b", 0.1, 0.4, "y"),
-             Turn(0, 1, 600, 496, 496, "b", 0.2, 0.6, "z"), Turn(1, 1, 600, 0, None, "", None, None, "", "HTTP 500")]
+    def turn(conv: int, t: int, prompt: int, cached: int, worker: str, ttft: float, text: str, **more) -> Turn:
+        return Turn(conv, t, prompt, cached, cached, worker, ttft_s=ttft, e2e_s=ttft + 0.5, text=text, **more)
+
+    turns = [turn(0, 0, 500, 0, "a", 0.5, "x"), turn(1, 0, 500, 480, "b", 0.1, "y"),
+             turn(0, 1, 600, 496, "b", 0.2, "z", prefix_source="a", prefix_blocks=25),
+             Turn(1, 1, 600, error="HTTP 500")]
     s = summarize(turns)
     assert (s["prompt_tokens"], s["cached_answers"], s["computed_answers"]) == (1600, 976, 624)
-    assert s["failed"] == 1 and s["moved_turns"] == 1 and s["headers_agree"]
+    assert s["failed"] == 1 and s["moved_turns"] == 1 and s["headers_agree"] and s["sibling_blocks"] == 25
     assert s["ttft_s"]["p50"] == 0.2
     other = {"turns": [{**t, "text": "changed"} if t["turn"] else t for t in s["turns"]]}
     assert identical(s, s) == 1.0 and identical(s, other) == 2 / 3  # the failed turn is not compared
