@@ -162,8 +162,11 @@ class KVSource:
                 p.reply.set_result(pb.PrefillResponse(
                     first_token_id=p.kept.kv.last_token if p.kept is not None else 0,
                     num_cached_tokens=p.num_cached_tokens, timings=pb.Timings(transfer_s=time.monotonic() - p.started)))
-                log.info("request %s: %s pushed to its taker in %.3fs", p.request_id,
-                         "prefix blocks" if p.kept is None else f"the kept KV of {p.kept.kv.request_id}", ev.seconds)
+                if p.kept is not None:
+                    log.info("request %s: kept KV pushed to its taker (%s) in %.3fs", p.kept.kv.request_id,
+                             p.request_id, ev.seconds)
+                else:
+                    log.info("request %s: prefix blocks pushed to its taker in %.3fs", p.request_id, ev.seconds)
             else:
                 code = pb.CANCELLED if ev.status is PushStatus.ABORTED else pb.KV_TRANSFER_FAILED
                 p.reply.set_result(pb.PrefillResponse(error=pb.Error(

@@ -137,7 +137,7 @@ class WorkerGauges:
 
 
 _OWN = (REQUESTS, TTFT, E2E, TPOT, REJECTIONS, RETRIES, PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_LENGTHS,
-        OUTPUT_LENGTHS, SLO_REQUESTS, PREFIX_ROUTES, PREFIX_MATCHED_BLOCKS)  # every counter and histogram above
+        OUTPUT_LENGTHS, SLO_REQUESTS, PREFIX_ROUTES, PREFIX_MATCHED_BLOCKS, PREFIX_SOURCES)  # every counter and histogram above
 
 
 def count_across_processes(folder: Path) -> None:

@@ -116,8 +116,10 @@ def test_a_decode_worker_stopped_before_the_first_token_costs_a_retry_not_the_re
         with gateway(smollm2_dir, [b.address], [p.address], tmp_path / "ref.log") as url:
             want = _complete(url, STORY)
         assert want.status_code == 200, want.text
+        # Routing as before the prefix index: B holds STORY's blocks now, and the index would send it there.
         with gateway(smollm2_dir, [c.address, b.address], [p.address], tmp_path / "gw.log",
-                     "--health-interval", "3600") as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+                     "--health-interval", "3600", "--no-prefix-routing") as url, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
             got = pool.submit(_complete, url, STORY)
             wait_until(lambda: _admitted_remote(c, 1), 60, "C admitting the request for remote prefill")
             _sigterm_exits_cleanly(c)
