@@ -194,7 +194,9 @@ def run_config(config: Config, shape: Shape, seed: int, prefill: int, kv_blocks:
     _say(f"{config.name}: starting pdserve serve {' '.join(flags[2:])} ({prefill} prefill + 2 decode, "
          f"{kv_blocks} KV blocks each; logs under {folder})")
     t_start = time.monotonic()
-    result: dict = {"config": config.name, "what": config.what, "flags": flags[4:]}
+    # the flags as given, less this run's temporary folder
+    result: dict = {"config": config.name, "what": config.what,
+                    "flags": [f.replace(str(workdir), "$TMP") for f in flags[4:]]}
     try:
         with serving(folder / "serve.log", *flags, env={"PDSERVE_LOG_DIR": str(folder / "logs")}):
             wait_for(lambda: answers(url), 120, "the gateway ready", folder / "serve.log")
