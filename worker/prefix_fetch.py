@@ -18,9 +18,10 @@ what the pool held before (the request computes the rest); its blocks are releas
 once the sibling confirms nothing is in flight (the Abort RPC) or is known gone, the rule
 every writer into this pool follows (decode/remote_prefill.py).
 
-Cost: the fetch is skipped when its measured rate (seconds a block, averaged over this
-worker's fetches) predicts it slower than computing those tokens at this worker's measured
-prefill rate; until either is measured it is tried.
+Cost: the fetch is skipped when the fetches this worker measured predict it slower than
+computing those tokens at its measured prefill rate (worker/fetch_cost.py: a fixed part and
+a part per block, and a probe now and then so a slow fetch does not turn fetching off for
+good); until either is measured it is tried.
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
 from transfer import KVReceiver, ReceiveEvent, ReceiveStatus, TransferAgent
 from worker import metrics
+from worker.fetch_cost import FetchCost
 from worker.peers import ABORT_RETRY_S, ABORT_TIMEOUT_S, KVPeers, abort_answered, new_transfer_id
 
 log = logging.getLogger(__name__)
 
-RATE_WEIGHT = 0.3  # of the newest fetch in the seconds-a-block average
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class PrefixFetches:
         self.agent, self.receiver, self.peers, self.engine = agent, receiver, peers, engine
         self.block_size = engine.block_size
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.seconds_per_block: float | None = None  # measured, over completed fetches
+        self.cost = FetchCost()  # measured over completed fetches
         self.fetches: dict[str, _Fetch] = {}
         self._transfer_info: bytes | None = None  # this agent's, once a fetch needs it
 
@@ -211,9 +212,7 @@ class PrefixFetches:
         self._release(f)
         seconds = time.monotonic() - f.started
         if pushed:
-            rate = seconds / pushed
-            self.seconds_per_block = rate if self.seconds_per_block is None else (
-                RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * self.seconds_per_block)
+            self.cost.observe(pushed, seconds)
             metrics.PREFIX_TIER_TOKENS.labels("sibling").inc(found * self.block_size)
         outcome = "fetched" if pushed == asked else "partial"
         self._resolve(f, outcome, f"{pushed} of {asked} blocks in {seconds:.3f}s", pushed=pushed)
@@ -253,8 +252,6 @@ class PrefixFetches:
 
     def _worth_it(self, num_blocks: int) -> bool:
         """Predicted cheaper to fetch than to compute, from this worker's own measurements
-        (either unmeasured: try it, which measures it)."""
+        (worker/fetch_cost.py)."""
         rate = self.prefill_tokens_per_s()
-        if self.seconds_per_block is None or rate <= 0:
-            return True
-        return num_blocks * self.seconds_per_block < num_blocks * self.block_size / rate
+        return self.cost.worth_it(num_blocks, num_blocks * self.block_size / rate if rate > 0 else None)
