@@ -39,6 +39,11 @@ from worker.push_calls import EarlyAborts
 log = logging.getLogger(__name__)
 
 
+class NotHeld(ValueError):
+    """A prefix pull for blocks this worker's prefix cache no longer holds (evicted since the
+    gateway's index said so): the taker computes them."""
+
+
 @dataclass
 class _Kept:
     kv: KeptKV

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from decode.kv_source import NotHeld
 from decode.worker import DecodeWorker
 from rpc import pdserve_pb2 as pb
 from rpc import pdserve_pb2_grpc as pb_grpc
@@ -39,7 +40,8 @@ class KVSourceService(pb_grpc.PrefillWorkerServicer):
                                  timeout=self.worker.loop_wait_s())
             except ValueError as e:  # not kept here, tokens or destination do not match (HandshakeError too)
                 log.info("request %s: pull refused: %s", rid, e)
-                return pb.PrefillResponse(error=pb.Error(code=pb.INVALID_REQUEST, message=str(e), request_id=rid))
+                code = pb.KV_NOT_HELD if isinstance(e, NotHeld) else pb.INVALID_REQUEST
+                return pb.PrefillResponse(error=pb.Error(code=code, message=str(e), request_id=rid))
             except TimeoutError:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"request {rid}: engine loop did not take the pull in time")
 

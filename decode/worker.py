@@ -28,7 +28,7 @@ from common import trace
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
-from decode.kv_source import KVSource
+from decode.kv_source import KVSource, NotHeld
 from decode.remote_prefill import RemotePrefills
 from decode.remote_prefill_events import Event, KVReady, PrefillHere, Quarantined, Released
 from decode.step_batches import Outlet, StepBatches
@@ -233,8 +233,8 @@ class DecodeWorker(EngineLoop):
         skip = req.destination.num_cached_tokens // bs
         blocks = prefix_blocks.held_run(engine, hashes, skip, len(req.destination.block_ids))
         if not blocks:
-            raise ValueError(f"request {req.request_id}: none of the {len(hashes) - skip} prefix blocks asked for "
-                             "is cached here now")
+            raise NotHeld(f"request {req.request_id}: none of the {len(hashes) - skip} prefix blocks asked for "
+                          "is cached here now")
         prefix_blocks.pin(engine, blocks)
         try:
             self.source.pull_prefix(req, blocks, reply, timeout_s, lambda: prefix_blocks.unpin(engine, blocks))

@@ -37,9 +37,9 @@ PREFIX_TIER_TOKENS = Counter("pdserve_engine_prefix_tier_tokens",
 PREFIX_FETCHES = Counter("pdserve_prefix_fetches", "Prompt prefixes this worker was offered from another worker's "
                          "prefix cache (a decode worker's prefix source, a prefill worker's asking decode worker), "
                          "by outcome: fetched (every block asked for came over), partial (the holder had evicted "
-                         "some), failed, skipped_cost (predicted slower than computing them), skipped_room (no "
-                         "free blocks for them now)", ["outcome"])
-for _outcome in ("fetched", "partial", "failed", "skipped_cost", "skipped_room"):
+                         "some), evicted (it had evicted them all), failed, skipped_cost (predicted slower than "
+                         "computing them), skipped_room (no free blocks for them now)", ["outcome"])
+for _outcome in ("fetched", "partial", "evicted", "failed", "skipped_cost", "skipped_room"):
     PREFIX_FETCHES.labels(_outcome)
 
 

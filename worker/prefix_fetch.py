@@ -193,7 +193,8 @@ class PrefixFetches:
                     self._failed(f, f"{e.code().name}: {e.details()}", may_write=not self.peers.gone(f.source, e))
                     continue
                 if resp.error.code != pb.ERROR_NONE:  # it answered: nothing of it in flight
-                    self._failed(f, resp.error.message, may_write=False)
+                    outcome = "evicted" if resp.error.code == pb.KV_NOT_HELD else "failed"
+                    self._failed(f, resp.error.message, may_write=False, outcome=outcome)
                     continue
                 f.reply = resp
                 self._maybe_done(f)
@@ -217,12 +218,12 @@ class PrefixFetches:
         outcome = "fetched" if pushed == asked else "partial"
         self._resolve(f, outcome, f"{pushed} of {asked} blocks in {seconds:.3f}s", pushed=pushed)
 
-    def _failed(self, f: _Fetch, reason: str, may_write: bool = True) -> None:
+    def _failed(self, f: _Fetch, reason: str, may_write: bool = True, outcome: str = "failed") -> None:
         self.receiver.forget(f.transfer_id)
         if f.rpc is not None:
             f.rpc.cancel()
             f.rpc = None
-        self._resolve(f, "failed", reason)
+        self._resolve(f, outcome, reason)
         if may_write and not self.peers.gone(f.source):
             f.phase = _Phase.ABORTING
             f.abort_rpc = self._ask_abort(f)
