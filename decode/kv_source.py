@@ -60,6 +60,7 @@ class _Pull:
     started: float = field(default_factory=time.monotonic)
     abort_waiters: list[Future] = field(default_factory=list)
     unpin: Callable[[], None] | None = None
+    num_blocks: int = 0  # a prefix pull's
 
 
 class KVSource:
@@ -73,9 +74,11 @@ class KVSource:
         self.pulls: dict[str, _Pull] = {}  # by the taker's request id
         self._early_aborts = EarlyAborts()
         self._released: list[str] = []
+        self._prefix_pulls = 0  # pulls with kept None in `pulls` (the loop thread changes it)
 
     def __len__(self) -> int:
-        return len(self.kept) + sum(p.kept is None for p in self.pulls.values())
+        """Kept requests and prefix pulls in flight (any thread: two counts, no iteration)."""
+        return len(self.kept) + self._prefix_pulls
 
     def keep(self, kv: KeptKV, hold_s: float) -> None:
         """Hold `kv` for a taker's pull, at most `hold_s` seconds."""
@@ -127,9 +130,9 @@ class KVSource:
         peer = self.agent.add_peer(info)
         self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
         cached_to = req.destination.num_cached_tokens + len(blocks) * self.block_size
-        self.pulls[rid] = _Pull(rid, None, reply, cached_to, unpin=unpin)
+        self.pulls[rid] = _Pull(rid, None, reply, cached_to, unpin=unpin, num_blocks=len(blocks))
+        self._prefix_pulls += 1
         self.pusher.push(rid, blocks, list(req.destination.block_ids[:len(blocks)]), last=True)
-        metrics.PREFIX_SERVED.inc(len(blocks))
         trace.event(rid, "prefix_pull", taker=peer, blocks=len(blocks))
         log.info("request %s: pushing %d prefix blocks to %s", rid, len(blocks), peer)
 
@@ -163,6 +166,9 @@ class KVSource:
                 self._release(p.kept, ev.status.value)
             else:
                 p.unpin()
+                self._prefix_pulls -= 1
+                if ev.status is PushStatus.DONE:
+                    metrics.PREFIX_SERVED.inc(p.num_blocks)
             if ev.status is PushStatus.DONE:
                 p.reply.set_result(pb.PrefillResponse(
                     first_token_id=p.kept.kv.last_token if p.kept is not None else 0,

@@ -55,6 +55,7 @@ class RemotePrefills:
         # The shared receiver's notifications for this worker's other transfers (its prefix
         # fetches: worker/prefix_fetch.py); True when the hook took the event.
         self.others: Callable[[ReceiveEvent], bool] | None = None
+        self.others_pending: Callable[[], bool] = lambda: False  # ... awaited now: progress between layers too
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states
@@ -122,7 +123,7 @@ class RemotePrefills:
     def progress(self) -> None:
         """During a step (between layers): a prefill worker's push completes only when this
         side's NIXL makes progress, and its Prefill reply waits for that."""
-        if not self.states:
+        if not self.states and not self.others_pending():
             return
         try:
             self.receiver.progress()

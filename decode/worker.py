@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from common import trace
+from common.block_hash import block_hashes
 from common.finish_reason import FinishReason
 from common.sampling_params import SamplingParams
 from decode import metrics
@@ -89,10 +90,12 @@ class DecodeWorker(EngineLoop):
         self._touched: set[StepBatches] = set()  # calls with news gathered since the last flush
         self.kv_blocks_transferred = 0
         self.fetches: PrefixFetches | None = None
+        self._fetch_pins: dict[str, list[int]] = {}  # a fetched prefix's, until the request's first step took them
         if self.remote is not None:
             self.fetches = PrefixFetches(agent, self.remote.receiver, self.remote.peers, engine,
-                                         lambda: self.liveness.prefill_tokens_per_s)
+                                         lambda: self.liveness.prefill_tokens_per_s, self.loop_wait_s)
             self.remote.others = self.fetches.on_receive
+            self.remote.others_pending = lambda: bool(self.fetches.fetches)
             # NIXL progress between layers while remote KV is awaited: a prefill worker's
             # push (and so its Prefill reply) completes only when this side progresses.
             self.between_layers = self.remote.progress
@@ -124,6 +127,8 @@ class DecodeWorker(EngineLoop):
         if fetched is not None and fetched.blocks:
             self.streams[request_id].prefix_source = fetched.source
             self.streams[request_id].prefix_blocks = fetched.blocks
+        if self.fetches is not None and (pins := self.fetches.take(request_id)):
+            self._fetch_pins[request_id] = pins
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget),
@@ -180,6 +185,8 @@ class DecodeWorker(EngineLoop):
             self.source.drop_all()
         if self.fetches is not None:
             self.fetches.abort_all()
+            for rid in list(self._fetch_pins):
+                self.fetches.release(self._fetch_pins.pop(rid))
 
     def hand_off(self) -> None:
         """Drained: every request ends here with HANDED_OFF, and its gateway replays it on
@@ -228,8 +235,10 @@ class DecodeWorker(EngineLoop):
     def _pull_prefix(self, req: pb.PrefillRequest, reply: Future, timeout_s: float | None) -> None:
         """A sibling's fetch of prompt blocks this worker's prefix cache holds: those after
         its own cached ones, in a row, pinned until the push ends."""
+        if self.closing:
+            raise NotHeld(f"request {req.request_id}: {self.name} is shutting down")
         engine, bs = self.engine, self.engine.block_size
-        hashes = prefix_blocks.block_hashes(list(req.prompt_token_ids), bs, req.cache_salt)
+        hashes = block_hashes(list(req.prompt_token_ids), bs, req.cache_salt)
         skip = req.destination.num_cached_tokens // bs
         blocks = prefix_blocks.held_run(engine, hashes, skip, len(req.destination.block_ids))
         if not blocks:
@@ -299,6 +308,7 @@ class DecodeWorker(EngineLoop):
                 worker_metrics.observe_first_step(len(seq.prompt_token_ids), seq.num_cached_tokens,
                                                   now - stream.arrived)
                 trace.event(seq.request_id, "scheduled", cached_tokens=seq.num_cached_tokens)
+        self._release_fetch_pins()
         if out.remote_prefills:
             for rp in out.remote_prefills:
                 stream = self.streams.get(rp.seq.request_id)
@@ -313,6 +323,8 @@ class DecodeWorker(EngineLoop):
         self._apply(events)
         if len(self.fetches):
             self.fetches.poll()
+        if self._fetch_pins:
+            self._release_fetch_pins()
         released = self.source.poll() if len(self.source) else []
         for request_id in released:
             self.engine.release(request_id)
@@ -351,6 +363,14 @@ class DecodeWorker(EngineLoop):
                 if not ev.cancelled:
                     self._prefill_here(ev.request_id, pb.LOCAL_PREFILL_ABORT_UNCONFIRMED)
         self._flush()
+
+    def _release_fetch_pins(self) -> None:
+        """A fetched prefix's pins go once its request's first step took the blocks itself
+        (its blocks reserved, or its first chunk run), or the request ended."""
+        for rid in list(self._fetch_pins):
+            stream = self.streams.get(rid)
+            if stream is None or stream.scheduled_at is not None:
+                self.fetches.release(self._fetch_pins.pop(rid))
 
     def _prefill_here(self, request_id: str, cause: int) -> None:
         """A remote prefill fell back to a local one (`cause`: a pb.LocalPrefill)."""

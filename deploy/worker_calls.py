@@ -83,10 +83,11 @@ class WorkerCalls:
         return holdings_of(answer)
 
     def set_peers(self, slot: Slot, decode_agents: list[str], workers: list[str]) -> bool:
-        """A prefill worker gets the decode agents, a decode worker the worker addresses;
-        False when the call failed (the next round sends it again; its health check judges it)."""
+        """A prefill worker gets the decode agents (and the worker addresses, which it fetches
+        prefixes from), a decode worker the worker addresses; False when the call failed (the
+        next round sends it again; its health check judges it)."""
         stub = pb_grpc.PrefillWorkerStub if slot.role == "prefill" else pb_grpc.DecodeWorkerStub
-        request = pb.SetPeersRequest(decode_agents=decode_agents) if slot.role == "prefill" else \
+        request = pb.SetPeersRequest(decode_agents=decode_agents, workers=workers) if slot.role == "prefill" else \
             pb.SetPeersRequest(workers=workers)
         try:
             stub(self.channel(slot.address)).SetPeers(request, timeout=self.health_timeout_s)

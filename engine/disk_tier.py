@@ -188,8 +188,12 @@ class DiskTier:
         """Write what is queued, then stop the writer (bounded), and let go of the pool (a
         role change frees it before making the next one). No save or load after this."""
         if self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join(30.0)
+            try:
+                self._queue.put(None, timeout=30.0)
+            except queue.Full:  # the writer is stuck: it is a daemon thread, left behind
+                log.warning("disk tier: the writer did not take its stop in 30 s; closing without it")
+            else:
+                self._writer.join(30.0)
         self._pool = None
 
     def path_of(self, block_hash: bytes) -> Path:
@@ -291,7 +295,7 @@ class DiskTier:
         path = self._path(block_hash)
         try:
             self._write_file(path, block_hash, block)
-        except OSError as e:
+        except Exception as e:  # a full disk, or anything else: the writer goes on, the block is not kept
             with self._lock:
                 self._pending.pop(block_hash, None)
                 self._failed_writes += 1

@@ -14,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from common.block_hash import block_hashes
-
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
-__all__ = ["adopt", "allocate", "block_hashes", "held_run", "pin", "unpin"]
+__all__ = ["adopt", "allocate", "held_run", "pin", "unpin"]
 
 
 def held_run(engine: LLMEngine, hashes: Sequence[bytes], first: int = 0, limit: int | None = None) -> list[int]:

@@ -315,6 +315,7 @@ class RequestPath:
         all; APIError when none is left. The request's routing cost moves with it (the
         first of its choices to move takes it)."""
         tried = set(failed)
+        req.ClearField("prefix_source")  # named for its first worker: a replay computes or copies its KV anew
         for worker in self.router.decode:
             worker.healthy = worker.healthy and worker.address not in failed  # until its next health round
         while len(tried) < MAX_DECODE_ATTEMPTS and any(w.address not in tried for w in self.router.decode):

@@ -69,7 +69,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         holder = request.kv_holder
         if holder not in self.worker.fetches.peers.proven([holder], PROVE_TIMEOUT_S):
             return  # it did not prove it belongs to this deployment: nothing is asked of it
-        bound = min(context.time_remaining() or FETCH_BOUND_S, FETCH_BOUND_S)
+        left = context.time_remaining()
+        bound = FETCH_BOUND_S if left is None else min(left, FETCH_BOUND_S)
         try:
             done = self.worker.call(lambda: self.worker.fetch_prefix(
                 rid, list(request.prompt_token_ids), request.cache_salt, holder,
@@ -85,7 +86,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     def SetPeers(self, request: pb.SetPeersRequest, context: grpc.ServicerContext) -> pb.SetPeersResponse:
         """Answered at once, whatever the loop is doing: the check reads the new list next."""
-        self.worker.set_members(list(request.decode_agents))
+        self.worker.set_members(list(request.decode_agents), list(request.workers))
         return pb.SetPeersResponse()
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:

@@ -78,12 +78,17 @@ class PrefillWorker(EngineLoop):
         # Prompt blocks the asking decode worker holds and this pool lacks, fetched from it
         # instead of computed (worker/prefix_fetch.py; Prefill's kv_holder).
         self.fetches = PrefixFetches(agent, KVReceiver(agent), KVPeers(), engine,
-                                     lambda: self.liveness.prefill_tokens_per_s)
+                                     lambda: self.liveness.prefill_tokens_per_s, self.loop_wait_s)
+        self._fetch_pins: dict[str, list[int]] = {}  # until the request's first chunk took them
 
-    def set_members(self, decode_agents: list[str]) -> None:
+    def set_members(self, decode_agents: list[str], workers: list[str] = ()) -> None:
         """The controller's list of decode agents (any thread: one assignment); connections
-        to agents that left are dropped on the loop, once nothing is in flight to them."""
+        to agents that left are dropped on the loop, once nothing is in flight to them.
+        `workers`: the deployment's worker addresses, the only ones a prefix is fetched from
+        (one that left is known gone: a fetch waiting for its abort answer waits no more)."""
         self.members = frozenset(decode_agents)
+        if workers:
+            self.fetches.peers.set_members(list(workers))
         self.submit(self.drop_departed_peers)
 
     # -- commands (run on the loop thread) -----------------------------------------------
@@ -111,6 +116,8 @@ class PrefillWorker(EngineLoop):
         self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,
                                 cache_salt=req.cache_salt)
         self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
+        if pins := self.fetches.take(rid):  # its fetched prefix, pinned until its first chunk runs
+            self._fetch_pins[rid] = pins
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
         trace.event(rid, "arrived", prompt_tokens=len(prompt), decode_agent=peer, blocks=num_blocks - skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
@@ -141,7 +148,8 @@ class PrefillWorker(EngineLoop):
         return bool(self.requests) or len(self.fetches) > 0  # each until nothing of it is in flight
 
     def holdings(self) -> Holdings:
-        return Holdings(self.calls.open, len(self.requests), held_blocks=self.engine.num_held())
+        return Holdings(self.calls.open, len(self.requests), awaiting_kv=len(self.fetches),
+                        held_blocks=self.engine.num_held())
 
     def fail_all(self, reason: str) -> None:
         """Steps keep failing, or the worker shuts down: abort every request (each is answered once nothing of it is
@@ -149,6 +157,7 @@ class PrefillWorker(EngineLoop):
         for request_id in list(self.requests):
             self.abort(request_id)
         self.fetches.abort_all()
+        self._release_fetch_pins(every=True)
 
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
@@ -198,6 +207,16 @@ class PrefillWorker(EngineLoop):
                 self._push(p, chunk.block_table, chunk.context_len // self.block_size, last=False)
         if finishing:
             self._wait_for_pushes(finishing)
+        if self._fetch_pins:
+            self._release_fetch_pins()
+
+    def _release_fetch_pins(self, every: bool = False) -> None:
+        """A fetched prefix's pins go once its request's first chunk ran (its schedule took
+        the blocks itself) or it ended."""
+        for rid in list(self._fetch_pins):
+            p = self.requests.get(rid)
+            if every or p is None or p.first_chunk_at is not None:
+                self.fetches.release(self._fetch_pins.pop(rid))
 
     def _wait_for_pushes(self, request_ids: list[str]) -> None:
         """Poll the pushes of `request_ids` briefly (bounded), so their replies need not wait
@@ -212,6 +231,8 @@ class PrefillWorker(EngineLoop):
             for ev in self.fetches.receiver.poll():
                 self.fetches.on_receive(ev)
             self.fetches.poll()
+        if self._fetch_pins:
+            self._release_fetch_pins()
         events = self.pusher.poll()
         for ev in events:
             p = self.requests.pop(ev.request_id, None)

@@ -47,6 +47,11 @@ from worker.peers import ABORT_RETRY_S, ABORT_TIMEOUT_S, KVPeers, abort_answered
 
 log = logging.getLogger(__name__)
 
+# A fetch may take at most this many times what computing its tokens would (at the worker's
+# measured prefill rate), and at least MIN_FETCH_S (a round trip and the holder's next step):
+# past it the request computes them, and the cost model learns the fetch was slow.
+FETCH_SLACK = 2.0
+MIN_FETCH_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -86,19 +91,35 @@ class _Fetch:
 
 
 class PrefixFetches:
-    """Every prefix fetch of one decode worker (its loop thread), by its transfer id."""
+    """Every prefix fetch of one worker (its loop thread), by its transfer id. A completed
+    fetch's blocks (those the pool found and those that came over) stay pinned for the
+    request until the worker `take`s them when it admits the request, and releases them
+    once the request's first step has taken them itself (or it ended); pins nobody took
+    within `hold_s` are released here."""
 
     def __init__(self, agent: TransferAgent, receiver: KVReceiver, peers: KVPeers, engine: LLMEngine,
-                 prefill_tokens_per_s: Callable[[], float]):
+                 prefill_tokens_per_s: Callable[[], float], hold_s: Callable[[], float]):
         self.agent, self.receiver, self.peers, self.engine = agent, receiver, peers, engine
         self.block_size = engine.block_size
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.cost = FetchCost()  # measured over completed fetches
+        self.hold_s = hold_s
+        self.cost = FetchCost()  # measured over completed fetches (and those that ran out of time)
         self.fetches: dict[str, _Fetch] = {}
+        self._held: dict[str, tuple[list[int], float]] = {}  # request id -> (pinned blocks, until)
         self._transfer_info: bytes | None = None  # this agent's, once a fetch needs it
 
     def __len__(self) -> int:
-        return len(self.fetches)
+        """Fetches in flight, and completed ones whose pins no request took yet."""
+        return len(self.fetches) + len(self._held)
+
+    def take(self, request_id: str) -> list[int]:
+        """The pinned blocks of the request's completed fetch (none: no fetch, or it failed);
+        the caller unpins them (`release`) once the request's first step took them."""
+        blocks, _ = self._held.pop(request_id, ([], 0.0))
+        return blocks
+
+    def release(self, blocks: list[int]) -> None:
+        blocks_of.unpin(self.engine, blocks)
 
     # -- commands -------------------------------------------------------------------------
 
@@ -113,7 +134,9 @@ class PrefixFetches:
         wanted = hashes[len(local):]
         if not wanted:
             return None
-        if not self._worth_it(len(wanted)):
+        rate = self.prefill_tokens_per_s()
+        compute_s = len(wanted) * self.block_size / rate if rate > 0 else None
+        if not self.cost.worth_it(len(wanted), compute_s):
             metrics.PREFIX_FETCHES.labels("skipped_cost").inc()
             trace.event(request_id, "prefix_fetch_skipped", why="cost", blocks=len(wanted))
             return None
@@ -126,11 +149,15 @@ class PrefixFetches:
             metrics.PREFIX_FETCHES.labels("skipped_room").inc()
             trace.event(request_id, "prefix_fetch_skipped", why="room", blocks=len(wanted))
             return None
-        fetch_id = f"{request_id}-prefix"
-        f = _Fetch(request_id, fetch_id, new_transfer_id(fetch_id, 0), source.address, wanted, len(local), local,
+        if compute_s is not None:  # no longer than computing them would take, with slack
+            deadline_s = min(deadline_s, max(MIN_FETCH_S, FETCH_SLACK * compute_s))
+        transfer_id = new_transfer_id(f"{request_id}-prefix", 0)
+        # The holder knows the pull by its transfer id: unique, so a late Abort of one fetch
+        # never refuses a later fetch for the same request (a replay's).
+        f = _Fetch(request_id, transfer_id, transfer_id, source.address, wanted, len(local), local,
                    blocks, Future(), time.monotonic() + deadline_s)
         req = pb.PrefillRequest(
-            request_id=fetch_id, prompt_token_ids=tokens[:(f.first + len(wanted)) * self.block_size],
+            request_id=f.fetch_id, prompt_token_ids=tokens[:(f.first + len(wanted)) * self.block_size],
             cache_salt=salt, transfer_id=f.transfer_id, prefix_only=True,
             destination=pb.KVDestination(agent_name=self.agent.name, block_ids=blocks,
                                          num_cached_tokens=f.first * self.block_size),
@@ -154,6 +181,9 @@ class PrefixFetches:
         for f in list(self.fetches.values()):
             if f.phase is _Phase.FETCHING:
                 self._failed(f, "the worker is shutting down")
+        for blocks, _ in self._held.values():
+            blocks_of.unpin(self.engine, blocks)
+        self._held.clear()
 
     # -- events ---------------------------------------------------------------------------
 
@@ -166,7 +196,7 @@ class PrefixFetches:
             f.kv_complete = True
             self._maybe_done(f)
         else:
-            self._failed(f, f"KV {ev.status.value}")
+            self._failed(f, f"KV {ev.status.value}", slow=ev.status is ReceiveStatus.TIMED_OUT)
         return True
 
     def poll(self) -> None:
@@ -199,7 +229,11 @@ class PrefixFetches:
                 f.reply = resp
                 self._maybe_done(f)
             elif now >= f.deadline:
-                self._failed(f, "deadline")
+                self._failed(f, "deadline", slow=True)
+        for request_id, (blocks, until) in list(self._held.items()):
+            if now >= until:  # its request never came to take them (refused, or its caller gave up)
+                del self._held[request_id]
+                blocks_of.unpin(self.engine, blocks)
 
     # -- inside ---------------------------------------------------------------------------
 
@@ -210,7 +244,11 @@ class PrefixFetches:
         pushed = max(0, min(asked, f.reply.num_cached_tokens // self.block_size - f.first))
         found = blocks_of.adopt(self.engine, f.blocks[:pushed], f.hashes[:pushed])
         del self.fetches[f.transfer_id]
-        self._release(f)
+        # Pinned for the request until its first step takes them: an allocation before then
+        # (another request's step) must not evict what just came over.
+        self._held[f.request_id] = (f.pinned + f.blocks[:pushed], time.monotonic() + self.hold_s())
+        blocks_of.unpin(self.engine, f.blocks[pushed:])  # never written
+        f.pinned, f.blocks = [], []
         seconds = time.monotonic() - f.started
         if pushed:
             self.cost.observe(pushed, seconds)
@@ -218,7 +256,11 @@ class PrefixFetches:
         outcome = "fetched" if pushed == asked else "partial"
         self._resolve(f, outcome, f"{pushed} of {asked} blocks in {seconds:.3f}s", pushed=pushed)
 
-    def _failed(self, f: _Fetch, reason: str, may_write: bool = True, outcome: str = "failed") -> None:
+    def _failed(self, f: _Fetch, reason: str, may_write: bool = True, outcome: str = "failed",
+                slow: bool = False) -> None:
+        """`slow`: it ran out of time, which the cost model counts as what it cost."""
+        if slow:
+            self.cost.observe(len(f.hashes), time.monotonic() - f.started)
         self.receiver.forget(f.transfer_id)
         if f.rpc is not None:
             f.rpc.cancel()
@@ -250,9 +292,3 @@ class PrefixFetches:
 
     def _ask_abort(self, f: _Fetch) -> grpc.Future:
         return self.peers.stub(f.source).Abort.future(pb.AbortRequest(request_id=f.fetch_id), timeout=ABORT_TIMEOUT_S)
-
-    def _worth_it(self, num_blocks: int) -> bool:
-        """Predicted cheaper to fetch than to compute, from this worker's own measurements
-        (worker/fetch_cost.py)."""
-        rate = self.prefill_tokens_per_s()
-        return self.cost.worth_it(num_blocks, num_blocks * self.block_size / rate if rate > 0 else None)

@@ -173,6 +173,7 @@ def main(roles: dict[str, Role], role: str, argv: list[str] | None = None) -> No
         serving = roles[role].build(args, engine, model)
         change = serve(serving.worker, serving.add_servicers, args.host, args.port, role_changes=len(roles) > 1)
         if change is None or _stop.terminating:
+            engine.close()  # the disk tier writes what it has queued; the other ranks stop
             return
         log.info("%s: becoming %s worker %s over the same weights", serving.worker.name, change.role,
                  change.worker_id)

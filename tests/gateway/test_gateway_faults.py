@@ -16,9 +16,10 @@ def test_a_decode_worker_failing_before_the_first_token_is_retried_on_another(sy
     _, prefill, decode = system
     dead = f"127.0.0.1:{free_port()}"
     log_path = tmp_path / "gateway.log"
-    # --health-interval: no health round marks the dead worker before the request tries it
+    # --health-interval: no health round marks the dead worker before the request tries it;
+    # routing as before the prefix index, which knows the live worker holds CHAT's blocks
     with gateway(smollm2_dir, [dead, decode.address], [prefill.address], log_path,
-                 "--health-interval", "3600") as url:
+                 "--health-interval", "3600", "--no-prefix-routing") as url:
         resp = httpx.post(f"{url}/v1/chat/completions", timeout=60,
                           json={"model": "smollm2", "messages": CHAT, "max_tokens": 8, "temperature": 0})
         assert resp.status_code == 200 and "Paris" in resp.json()["choices"][0]["message"]["content"]
