@@ -285,7 +285,8 @@ def rows(result: dict) -> dict[str, float | None]:
             "hit tokens (all tiers)": m["prefix_hit_tokens"].get("decode", 0),
             "  from a sibling": m["tier_tokens"].get("sibling", 0), "  from disk": m["tier_tokens"].get("disk", 0),
             "fetches done (partial)": fetches.get("fetched", 0) + fetches.get("partial", 0),
-            "fetches failed": fetches.get("failed", 0), "fetches skipped (cost)": fetches.get("skipped_cost", 0),
+            "fetches failed": fetches.get("failed", 0), "fetches found evicted": fetches.get("evicted", 0),
+            "fetches skipped (cost)": fetches.get("skipped_cost", 0),
             "fetches skipped (room)": fetches.get("skipped_room", 0),
             "disk blocks written": m["disk"]["blocks_written"], "turns moved worker": result.get("moved_turns"),
             "preemptions": m["preemptions"], "failed turns": result.get("failed")}
