@@ -96,7 +96,8 @@ class EngineLoop:
         self._kv_buffer = engine.record_kv_events()
         self.kv_events = KVEventLog()
         self.kv_events.take(KVEventBatch([], lost=True), engine.cached_block_hashes)  # what it holds already
-        kv_disk_metrics.watch(lambda: self.engine.disk_tier_stats())  # read at each scrape
+        # Read at each scrape, from this process's registry (a stand-in engine of a test has no tier).
+        kv_disk_metrics.watch(engine.disk_tier_stats if isinstance(engine, LLMEngine) else lambda: None)
         self._disk_tokens = 0  # the engine's disk_tier_tokens observed into PREFIX_TIER_TOKENS so far
 
     # -- hooks for workers ----------------------------------------------------------------
