@@ -16,6 +16,8 @@ imports tests/):
   prefill and a decode worker and the gateway; decode steps and throughput on the device;
   what it prints and its exit status).
 - tiny_models: tiny random-weight Llama-family checkpoints.
+- conversations: seeded multi-turn chat conversations and their streaming client, for
+  `python -m bench.prefix_reuse`.
 
 Every wait here is bounded, and every process started here is stopped with its helper.
 """
