@@ -90,7 +90,6 @@ class DecodeWorker(EngineLoop):
         self._touched: set[StepBatches] = set()  # calls with news gathered since the last flush
         self.kv_blocks_transferred = 0
         self.fetches: PrefixFetches | None = None
-        self._fetch_pins: dict[str, list[int]] = {}  # a fetched prefix's, until the request's first step took them
         if self.remote is not None:
             self.fetches = PrefixFetches(agent, self.remote.receiver, self.remote.peers, engine,
                                          lambda: self.liveness.prefill_tokens_per_s, self.loop_wait_s)
@@ -127,8 +126,8 @@ class DecodeWorker(EngineLoop):
         if fetched is not None and fetched.blocks:
             self.streams[request_id].prefix_source = fetched.source
             self.streams[request_id].prefix_blocks = fetched.blocks
-        if self.fetches is not None and (pins := self.fetches.take(request_id)):
-            self._fetch_pins[request_id] = pins
+        if self.fetches is not None:
+            self.fetches.claim(request_id)  # its fetched prefix stays pinned until its first step
         if remote:
             budget = self.remote_prefill_budget_s(uncached)
             self.remote.admit(request_id, prefill_workers, time.monotonic() + min(timeout_s or budget, budget),
@@ -185,8 +184,6 @@ class DecodeWorker(EngineLoop):
             self.source.drop_all()
         if self.fetches is not None:
             self.fetches.abort_all()
-            for rid in list(self._fetch_pins):
-                self.fetches.release(self._fetch_pins.pop(rid))
 
     def hand_off(self) -> None:
         """Drained: every request ends here with HANDED_OFF, and its gateway replays it on
@@ -308,7 +305,8 @@ class DecodeWorker(EngineLoop):
                 worker_metrics.observe_first_step(len(seq.prompt_token_ids), seq.num_cached_tokens,
                                                   now - stream.arrived)
                 trace.event(seq.request_id, "scheduled", cached_tokens=seq.num_cached_tokens)
-        self._release_fetch_pins()
+        if self.fetches is not None:
+            self.fetches.release_claimed(self._first_step_taken)
         if out.remote_prefills:
             for rp in out.remote_prefills:
                 stream = self.streams.get(rp.seq.request_id)
@@ -323,8 +321,7 @@ class DecodeWorker(EngineLoop):
         self._apply(events)
         if len(self.fetches):
             self.fetches.poll()
-        if self._fetch_pins:
-            self._release_fetch_pins()
+        self.fetches.release_claimed(self._first_step_taken)
         released = self.source.poll() if len(self.source) else []
         for request_id in released:
             self.engine.release(request_id)
@@ -364,13 +361,10 @@ class DecodeWorker(EngineLoop):
                     self._prefill_here(ev.request_id, pb.LOCAL_PREFILL_ABORT_UNCONFIRMED)
         self._flush()
 
-    def _release_fetch_pins(self) -> None:
-        """A fetched prefix's pins go once its request's first step took the blocks itself
-        (its blocks reserved, or its first chunk run), or the request ended."""
-        for rid in list(self._fetch_pins):
-            stream = self.streams.get(rid)
-            if stream is None or stream.scheduled_at is not None:
-                self.fetches.release(self._fetch_pins.pop(rid))
+    def _first_step_taken(self, request_id: str) -> bool:
+        """Its first step reserved its blocks or ran its first chunk, or it ended."""
+        stream = self.streams.get(request_id)
+        return stream is None or stream.scheduled_at is not None
 
     def _prefill_here(self, request_id: str, cause: int) -> None:
         """A remote prefill fell back to a local one (`cause`: a pb.LocalPrefill)."""

@@ -79,7 +79,6 @@ class PrefillWorker(EngineLoop):
         # instead of computed (worker/prefix_fetch.py; Prefill's kv_holder).
         self.fetches = PrefixFetches(agent, KVReceiver(agent), KVPeers(), engine,
                                      lambda: self.liveness.prefill_tokens_per_s, self.loop_wait_s)
-        self._fetch_pins: dict[str, list[int]] = {}  # until the request's first chunk took them
 
     def set_members(self, decode_agents: list[str], workers: list[str] = ()) -> None:
         """The controller's list of decode agents (any thread: one assignment); connections
@@ -116,8 +115,7 @@ class PrefillWorker(EngineLoop):
         self.engine.add_request(rid, prompt, replace(params, max_tokens=1), req.priority, hold_blocks=True,
                                 cache_salt=req.cache_salt)
         self.pusher.start(rid, peer, timeout_s, notify_as=req.transfer_id)
-        if pins := self.fetches.take(rid):  # its fetched prefix, pinned until its first chunk runs
-            self._fetch_pins[rid] = pins
+        self.fetches.claim(rid)  # its fetched prefix stays pinned until its first chunk runs
         self.requests[rid] = _Prefill(rid, peer, list(dest.block_ids), skip, len(prompt), reply, pushed=skip)
         trace.event(rid, "arrived", prompt_tokens=len(prompt), decode_agent=peer, blocks=num_blocks - skip)
         log.info("request %s: prefill of %d tokens for %s (%d blocks to push)", rid, len(prompt), peer,
@@ -157,7 +155,6 @@ class PrefillWorker(EngineLoop):
         for request_id in list(self.requests):
             self.abort(request_id)
         self.fetches.abort_all()
-        self._release_fetch_pins(every=True)
 
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop a request; `confirmed` resolves (True if it was known) once nothing is in flight."""
@@ -207,16 +204,12 @@ class PrefillWorker(EngineLoop):
                 self._push(p, chunk.block_table, chunk.context_len // self.block_size, last=False)
         if finishing:
             self._wait_for_pushes(finishing)
-        if self._fetch_pins:
-            self._release_fetch_pins()
+        self.fetches.release_claimed(self._first_chunk_ran)
 
-    def _release_fetch_pins(self, every: bool = False) -> None:
-        """A fetched prefix's pins go once its request's first chunk ran (its schedule took
-        the blocks itself) or it ended."""
-        for rid in list(self._fetch_pins):
-            p = self.requests.get(rid)
-            if every or p is None or p.first_chunk_at is not None:
-                self.fetches.release(self._fetch_pins.pop(rid))
+    def _first_chunk_ran(self, request_id: str) -> bool:
+        """Its first chunk ran (its schedule took the fetched blocks itself), or it ended."""
+        p = self.requests.get(request_id)
+        return p is None or p.first_chunk_at is not None
 
     def _wait_for_pushes(self, request_ids: list[str]) -> None:
         """Poll the pushes of `request_ids` briefly (bounded), so their replies need not wait
@@ -231,8 +224,7 @@ class PrefillWorker(EngineLoop):
             for ev in self.fetches.receiver.poll():
                 self.fetches.on_receive(ev)
             self.fetches.poll()
-        if self._fetch_pins:
-            self._release_fetch_pins()
+        self.fetches.release_claimed(self._first_chunk_ran)
         events = self.pusher.poll()
         for ev in events:
             p = self.requests.pop(ev.request_id, None)

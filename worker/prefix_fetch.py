@@ -93,9 +93,9 @@ class _Fetch:
 class PrefixFetches:
     """Every prefix fetch of one worker (its loop thread), by its transfer id. A completed
     fetch's blocks (those the pool found and those that came over) stay pinned for the
-    request until the worker `take`s them when it admits the request, and releases them
-    once the request's first step has taken them itself (or it ended); pins nobody took
-    within `hold_s` are released here."""
+    request: the worker `claim`s them when it admits the request, and `release_claimed`
+    lets them go once the request's first step has taken them itself (or it ended); pins
+    nobody claimed within `hold_s` are released here."""
 
     def __init__(self, agent: TransferAgent, receiver: KVReceiver, peers: KVPeers, engine: LLMEngine,
                  prefill_tokens_per_s: Callable[[], float], hold_s: Callable[[], float]):
@@ -106,20 +106,25 @@ class PrefixFetches:
         self.cost = FetchCost()  # measured over completed fetches (and those that ran out of time)
         self.fetches: dict[str, _Fetch] = {}
         self._held: dict[str, tuple[list[int], float]] = {}  # request id -> (pinned blocks, until)
+        self._claimed: dict[str, list[int]] = {}  # request id -> pinned blocks, its request admitted
         self._transfer_info: bytes | None = None  # this agent's, once a fetch needs it
 
     def __len__(self) -> int:
         """Fetches in flight, and completed ones whose pins no request took yet."""
         return len(self.fetches) + len(self._held)
 
-    def take(self, request_id: str) -> list[int]:
-        """The pinned blocks of the request's completed fetch (none: no fetch, or it failed);
-        the caller unpins them (`release`) once the request's first step took them."""
-        blocks, _ = self._held.pop(request_id, ([], 0.0))
-        return blocks
+    def claim(self, request_id: str) -> None:
+        """The request was admitted: its completed fetch's pins (if any) are kept until
+        `release_claimed` finds its first step took the blocks."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self._claimed[request_id] = held[0]
 
-    def release(self, blocks: list[int]) -> None:
-        blocks_of.unpin(self.engine, blocks)
+    def release_claimed(self, taken: Callable[[str], bool]) -> None:
+        """Unpin the claimed blocks of every request for which `taken(request_id)` (its first
+        step ran, or it ended)."""
+        for request_id in [r for r in self._claimed if taken(r)]:
+            blocks_of.unpin(self.engine, self._claimed.pop(request_id))
 
     # -- commands -------------------------------------------------------------------------
 
@@ -181,9 +186,10 @@ class PrefixFetches:
         for f in list(self.fetches.values()):
             if f.phase is _Phase.FETCHING:
                 self._failed(f, "the worker is shutting down")
-        for blocks, _ in self._held.values():
+        for blocks in [b for b, _ in self._held.values()] + list(self._claimed.values()):
             blocks_of.unpin(self.engine, blocks)
         self._held.clear()
+        self._claimed.clear()
 
     # -- events ---------------------------------------------------------------------------
 
