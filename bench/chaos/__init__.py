@@ -12,7 +12,8 @@ a tenant's API key. It prints one row per scenario:
   error event followed by [DONE];
 - dropped: a transport error, a stream cut before [DONE] or an error body that is not
   JSON; expected only when the gateway process itself is killed;
-- hung: no end within the client's timeout (must be 0);
+- hung: silent for the client's timeout: no answer, or a stream with no event that long
+  (must be 0; a stream that keeps giving tokens is slow, not hung);
 - leaked blocks: once every worker is back and idle, KV blocks not free, summed over the
   workers (Stats over the internal gRPC; must be 0);
 - recovery s: from the fault until a fresh request succeeds again.

@@ -51,28 +51,54 @@ async def send(http: httpx.AsyncClient, url: str, body: dict, *, leave_after_s: 
                timeout_s: float = CLIENT_TIMEOUT_S, path: str = "/v1/completions") -> Record:
     """POST `path` (/v1/completions; or /v1/chat/completions) and say how it ended. The client
     leaves on purpose (closing the connection) after `leave_after_s` seconds or after
-    `leave_after_chunks` text chunks."""
+    `leave_after_chunks` text chunks.
+
+    Hung means silent for `timeout_s`: no headers, and then no SSE event, for that long. A
+    stream that keeps giving tokens is not hung however long its output takes: its length
+    over the host's speed is not a bound (a 512-token stream on a host made 3x slower, under
+    load, runs past any fixed total that a fast host meets). Its pace is reported apart
+    (`gaps_s`, `max_gap_s`)."""
     rec = Record()
     exchange = _exchange(http, url + path, body, rec, leave_after_chunks, on_text)
-    try:
-        if leave_after_s is None:
-            await asyncio.wait_for(exchange, timeout_s)
-        else:
-            try:
-                await asyncio.wait_for(exchange, leave_after_s)
-            except TimeoutError:
-                rec.outcome = Outcome.CANCELLED
-    except TimeoutError:
-        rec.outcome, rec.error = Outcome.HUNG, f"no end within {timeout_s:.0f}s"
+    if leave_after_s is not None:
+        try:
+            await asyncio.wait_for(exchange, leave_after_s)
+        except TimeoutError:
+            rec.outcome = Outcome.CANCELLED
+    elif not await heard_within(exchange, rec, timeout_s):
+        rec.outcome, rec.error = Outcome.HUNG, f"nothing heard for {timeout_s:.0f}s"
     return rec
+
+
+async def heard_within(exchange: Awaitable[None], rec: Record, silence_s: float) -> bool:
+    """Run `exchange` to its end; False (and it is cancelled) once `rec` heard nothing for `silence_s`."""
+    started, task = time.monotonic(), asyncio.ensure_future(exchange)
+
+    def quiet_s() -> float:
+        return time.monotonic() - (rec.heard_at or started)
+
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=max(silence_s - quiet_s(), 0.0))
+            if done:
+                task.result()
+                return True
+            if quiet_s() >= silence_s:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return False
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
 
 
 async def _exchange(http: httpx.AsyncClient, endpoint: str, body: dict, rec: Record, leave_after_chunks: int | None,
                     on_text: Callable[[], None] | None) -> None:
-    t0 = rec.sent_at = time.monotonic()
+    t0 = rec.sent_at = rec.heard_at = time.monotonic()
     try:
         async with http.stream("POST", endpoint, json=body) as resp:
             rec.status, rec.answered_s = resp.status_code, time.monotonic() - t0
+            rec.heard_at = time.monotonic()
             if resp.status_code != 200 or not body.get("stream"):
                 _classify_body(rec, await resp.aread())
                 return
@@ -81,6 +107,7 @@ async def _exchange(http: httpx.AsyncClient, endpoint: str, body: dict, rec: Rec
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
+                rec.heard_at = time.monotonic()
                 data = line.removeprefix("data: ")
                 if data == "[DONE]":
                     rec.outcome = (Outcome.FAILED_CLEANLY if errored else

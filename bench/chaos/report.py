@@ -21,6 +21,7 @@ class Record:
     code: str | None = None  # an error's "code" (a 429's: overloaded, or a tenant limit)
     sent_at: float | None = None  # time.monotonic() when sent
     answered_s: float | None = None  # sent -> response headers
+    heard_at: float | None = None  # time.monotonic() of the last sign of life: sent, headers, an SSE event
     ttft_s: float | None = None  # sent -> first text
     chunks: int = 0  # SSE chunks that carried text
     max_gap_s: float = 0.0  # the longest wait between two text chunks (a stream's worst stall)

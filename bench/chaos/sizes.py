@@ -9,7 +9,7 @@ KV_BLOCKS = 512  # per worker (16 tokens each): small enough that the overload p
 MAX_TTFT_S = 4.0  # the gateway's admission bound (gateway.max_ttft_s)
 MAX_OUTPUT_TOKENS = 256  # the gateway's cap on max_tokens: keeps fuzzed requests short
 TOKENS = range(1000, 40000)  # prompt token ids: plain vocabulary, no special tokens
-CLIENT_TIMEOUT_S = 120.0  # a request with no end by then is hung
+CLIENT_TIMEOUT_S = 120.0  # a request silent this long (no headers, then no SSE event) is hung
 RECOVERY_TIMEOUT_S = 240.0
 
 

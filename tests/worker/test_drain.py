@@ -24,6 +24,7 @@ from rpc import pdserve_pb2 as pb
 STEP_FLOOR_S = 2.0  # each prefill step: a ~600-token prompt is two steps, so >= 4 s of remote prefill
 STORY = "Tell me a long story about the sea and its ships. " * 50  # ~600 tokens
 ARGS = ["--dtype", "float32", "--kv-blocks", "256"]
+MAX_TOKENS = 8
 EXIT_GUARD_S = 120  # a guard against a hang, not a speed bound
 ADMIN_TOKEN = "admin-token-for-the-drain-test"
 
@@ -42,7 +43,13 @@ def workers(smollm2_dir, tmp_path_factory):
 
 def _complete(url: str, prompt: str) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", timeout=120,
-                      json={"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+                      json={"model": "smollm2", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+
+
+def _decoded(worker: WorkerProc) -> float:
+    """Tokens the worker's engine has computed in decode steps (and mixed ones) so far."""
+    text = worker.stub.Metrics(pb.MetricsRequest(), timeout=30).exposition.decode()
+    return sum(metric_value(text, "pdserve_engine_step_tokens_sum", kind=k) for k in ("decode", "mixed"))
 
 
 def _admitted_remote(worker: WorkerProc, n: int) -> bool:
@@ -64,8 +71,13 @@ def test_a_drained_decode_worker_stops_only_once_it_holds_nothing(workers, smoll
     """A request's KV is being prefilled remotely for A when A is drained: Stats shows A idle
     (0 running, 0 waiting), Drain does not (awaiting KV), and the drain ends only after the
     request has its answer. A request routed to A after the drain began (a gateway that
-    has not heard of it) is refused there and retried on B. Nothing fails, nothing leaks."""
+    has not heard of it) is refused there and retried on B. Nothing fails, nothing leaks.
+
+    That the drain ended only after A served the request is read from A itself, the moment
+    it answered "empty": the tokens its engine had decoded by then. The client's own answer
+    comes later, through the gateway, and under load it may lag the drain's end."""
     p, a, b = workers
+    decoded_before = _decoded(a)
     with gateway(smollm2_dir, [a.address, b.address], [p.address], tmp_path / "gw1.log",
                  "--health-interval", "3600") as url, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -74,12 +86,16 @@ def test_a_drained_decode_worker_stops_only_once_it_holds_nothing(workers, smoll
 
         answers: list[pb.DrainResponse] = []
         idle_by_stats: list[bool] = []
+        decoded_when_empty: list[float] = []
 
         def ask():
             s = a.stats()
             idle_by_stats.append(s.running_requests == 0 and s.waiting_requests == 0)
             answers.append(a.stub.Drain(pb.DrainRequest(), timeout=30))
-            return holdings_of(answers[-1])
+            holdings = holdings_of(answers[-1])
+            if holdings.empty:
+                decoded_when_empty.append(_decoded(a) - decoded_before)
+            return holdings
 
         def healthy() -> bool:
             return a.stub.Health(pb.HealthRequest(deep=True), timeout=30).ok
@@ -94,10 +110,13 @@ def test_a_drained_decode_worker_stops_only_once_it_holds_nothing(workers, smoll
         assert f"decode worker {a.address} unavailable" in (tmp_path / "gw2.log").read_text()
 
         result = drained.result(timeout=300)
-        assert first.done(), "the drain ended while A still served its request"
-        resp = first.result()
+        resp = first.result(timeout=EXIT_GUARD_S)
         assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] == "length", resp.text
     assert result.end is DrainEnd.EMPTY and result.last.empty, result
+    # A decoded every token past the prefill worker's first before it said it held nothing.
+    assert decoded_when_empty and decoded_when_empty[0] >= MAX_TOKENS - 1, \
+        ("the drain ended while A still served its request", decoded_when_empty)
+    assert "retrying on another" not in (tmp_path / "gw1.log").read_text(), "the first request left A"
     # The old drain's view: idle by Stats while the request's KV was on its way.
     awaiting = [i for i, r in enumerate(answers) if r.awaiting_kv > 0]
     assert awaiting and any(idle_by_stats[i] for i in awaiting), (answers[:3], idle_by_stats[:3])
