@@ -21,13 +21,14 @@ torch.set_num_threads(1)
 # the list at its length.
 LONGEST_FIRST = (
     "test_chaos.py", "test_deploy.py", "test_deploy_planner.py",  # 240-450 s, 210-400 s, 80-120 s
-    "test_drain.py", "test_deploy_security.py", "test_gateway_limits.py", "test_workers.py",
-    "test_bench_gpu_pd.py",  # 60-80 s
-    "test_replay.py", "test_deploy_tensor_parallel.py", "test_tensor_parallel.py", "test_served_by_headers.py",  # 35-55 s
+    "test_drain.py", "test_deploy_security.py", "test_workers.py", "test_deploy_tensor_parallel.py",
+    "test_gateway_limits.py",  # 60-110 s
+    "test_replay.py", "test_served_by_headers.py", "test_bench_gpu_pd.py", "test_tensor_parallel.py",
+    "test_bench_prefix_reuse.py",  # 35-60 s
     "test_planner.py", "test_structured_output.py", "test_gateway_processes.py", "test_gateway_admin.py",
     "test_gguf_convert.py", "test_tensor_parallel_llm.py", "test_role_change.py", "test_parallel_choices.py",
     "test_responses_api.py", "test_messages_api.py", "test_gateway_tenants.py", "test_transfer.py",
-    "test_gateway_faults.py",  # 15-30 s
+    "test_gateway_faults.py", "test_prefix_fetch.py", "test_prefix_routing.py",  # 15-30 s
 )
 
 

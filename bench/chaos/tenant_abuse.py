@@ -12,7 +12,9 @@ body deadline. The attacks:
    `max_concurrent`: afterwards a request for n = max_concurrent is served, and n above it is a 400;
 5. distinct slow-compiling JSON schemas at the tenant's limit: each served or refused cleanly,
    and the victim's own uncached schema sent right after is served;
-6. `logit_bias` +100 on a token that decodes to a lone U+FFFD, a long streamed output;
+6. `logit_bias` +100 on a token that decodes to a lone U+FFFD, a long streamed output (the
+   full run's is the output cap; --quick's, a quarter of it, still 16 times the ids the
+   detokenizer may hold back: common/detokenizer.py);
 7. n = 16 x top_logprobs 20 x a long max_tokens, not streamed: a 400 naming the bound;
 8. slow bodies from one other address, past its connection cap (bench/chaos/slow_bodies.py).
 """
@@ -75,7 +77,7 @@ async def tenant_abuse(ctx: Chaos) -> Result:
         t0 = time.monotonic()
         attacks = await asyncio.gather(
             _abuser(res, http, dep.url, rng, ctx.sizes.tenant_waves, (itl_unloaded or 0.05) * VICTIM_TOKENS / 2),
-            _sharer(res, http, dep.url, rng, fffd))
+            _sharer(res, http, dep.url, rng, fffd, ctx.sizes.fffd_tokens))
         attacks_s = time.monotonic() - t0
         held: SlowBodies = await slow
         stop.set()
@@ -119,10 +121,10 @@ async def _abuser(res: Result, http: dict, url: str, rng: random.Random, waves: 
             + await _schema_flood(res, http, url, waves))
 
 
-async def _sharer(res: Result, http: dict, url: str, rng: random.Random, fffd: int) -> list[Record]:
+async def _sharer(res: Result, http: dict, url: str, rng: random.Random, fffd: int, fffd_tokens: int) -> list[Record]:
     """Items 1, 7 and 6, one after the other, from the tenants that share their cache (and the isolated ones)."""
     return (await _cache_salts(res, http, url, rng) + await _logprob_bound(res, http["sharer"], url)
-            + await _lone_replacement_bias(res, http["sharer"], url, rng, fffd))
+            + await _lone_replacement_bias(res, http["sharer"], url, rng, fffd, fffd_tokens))
 
 
 async def _cache_salts(res: Result, http: dict, url: str, rng: random.Random) -> list[Record]:
@@ -231,9 +233,9 @@ async def _logprob_bound(res: Result, http: httpx.AsyncClient, url: str) -> list
 
 
 async def _lone_replacement_bias(res: Result, http: httpx.AsyncClient, url: str, rng: random.Random,
-                                 fffd: int) -> list[Record]:
-    """Item 6: logit_bias +100 on a token that decodes to a lone U+FFFD, the longest output, streamed."""
-    body = {**completion(16, MAX_OUTPUT_TOKENS, rng), "logit_bias": {str(fffd): 100}}
+                                 fffd: int, tokens: int) -> list[Record]:
+    """Item 6: logit_bias +100 on a token that decodes to a lone U+FFFD, a long output, streamed."""
+    body = {**completion(16, min(tokens, MAX_OUTPUT_TOKENS), rng), "logit_bias": {str(fffd): 100}}
     records = await asyncio.gather(*(send(http, url, body) for _ in range(2)))
     for r in records:
         if r.outcome is not Outcome.COMPLETED:
