@@ -21,26 +21,16 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import time
 import tracemalloc
 from pathlib import Path
 
+from bench.host_cpu import host_cpu
 from common.block_hash import block_hashes
 from common.kv_events import KVEventsSince
 from gateway.router import Router
 
 BS = 16
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    get = lambda k: fields.get(k, "?").strip()  # noqa: E731
-    return f"{get('Model name')} (family {get('CPU family')}, model {get('Model')}), {os.cpu_count()} cores"
 
 
 def _prompt(i: int, n_blocks: int) -> list[int]:
@@ -128,7 +118,8 @@ def run(workers: int, blocks: int, prompt_blocks: int) -> dict:
         off.append(_time(route(False), 5))
     hash_s = _time(hashing, 5)
     result = {
-        "host": _cpu(), "workers": 2 * workers, "blocks_per_worker": blocks, "entries": entries,
+        "host": f"{host_cpu().describe()}, {os.cpu_count()} cores", "workers": 2 * workers,
+        "blocks_per_worker": blocks, "entries": entries,
         "bytes_per_entry": index_bytes / entries, "index_mib": index_bytes / 2**20,
         "resync_ns_per_entry": fill_s / entries * 1e9, "event_ns": event_s * 1e9,
         "prompt_blocks": prompt_blocks, "hash_prompt_us": hash_s * 1e6,

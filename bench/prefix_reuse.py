@@ -52,7 +52,6 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +65,7 @@ from bench import host_steal
 from bench.harness.conversations import Conversation, Shape, Turn, chat_turn, client, conversations, run_rounds
 from bench.harness.deploy_procs import answers, serving, wait_for
 from bench.harness.worker_procs import REPO, free_port
+from bench.host_cpu import host_cpu
 from bench.serving_metrics import distribution
 
 RESULTS = REPO / "bench" / "results" / "prefix_reuse.json"
@@ -98,11 +98,9 @@ def _say(message: str) -> None:
 
 
 def host() -> dict:
-    """This host's CPU as lscpu names it."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-    return {"cpu": fields.get("Model name", "unknown"), "family": fields.get("CPU family", ""),
-            "model": fields.get("Model", ""), "cores": int(fields.get("CPU(s)", "0") or 0)}
+    """This host's CPU as lscpu names it, and its cores."""
+    cpu = host_cpu()
+    return {"cpu": cpu.name, "family": cpu.family, "model": cpu.model, "cores": os.cpu_count() or 0}
 
 
 # ---- /metrics ----------------------------------------------------------------------------------

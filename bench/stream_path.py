@@ -50,7 +50,6 @@ import math
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +61,7 @@ import httpx
 from bench.harness.gateway_procs import gateway
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import REPO, WorkerProc, WorkerSpec, start_workers, wait_idle
+from bench.host_cpu import host_cpu
 from common.model_source import resolve_model
 from deploy.planner.slo import percentile
 
@@ -375,12 +375,6 @@ def max_tokens_for(batch: int, step_s: float, stream_s: float, token_budget: int
 
 # -- the run ---------------------------------------------------------------------------------
 
-def host_cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
-                "unknown")
-
-
 def _ratio(after, before) -> float | None:
     return after / before if after is not None and before else None
 
@@ -479,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(tempfile.mkdtemp(prefix="pdserve-stream-path-"))
     model = tiny_model(work / "model")
-    result = {"host_cpu": host_cpu(), "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0],
+    result = {"host_cpu": host_cpu().name, "cores": os.cpu_count(), "load_at_start": os.getloadavg()[0],
               "prompt_tokens": len(PROMPT), "runs": []}
     _say(f"host {result['host_cpu']}, load {result['load_at_start']:.2f}; logs in {work}")
     for step_s in steps:

@@ -38,7 +38,6 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ import torch
 from bench import host_steal
 from bench.harness.tiny_models import SMOLLM2_SHAPE, write_sized_checkpoint
 from bench.harness.worker_procs import REPO
+from bench.host_cpu import host_cpu
 from common.model_source import resolve_model
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
@@ -70,11 +70,9 @@ def _say(message: str) -> None:
 
 def host() -> dict:
     """This host's CPU as lscpu names it, and what pdserve runs on it."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    caps = cpu()
-    return dict(cpu=fields.get("Model name", caps.model_name).strip(), family=fields.get("CPU family", "").strip(),
-                model=fields.get("Model", "").strip(), cores=len(os.sched_getaffinity(0)), isa=caps.isa,
+    caps, lscpu = cpu(), host_cpu()
+    return dict(cpu=lscpu.name if lscpu.name != "unknown" else caps.model_name, family=lscpu.family,
+                model=lscpu.model, cores=len(os.sched_getaffinity(0)), isa=caps.isa,
                 native_bf16=caps.native_bf16, kernels=type(get_ops("cpu")).__name__,
                 native_matmul=get_ops("cpu").matmul_library() is not None, torch=torch.__version__)
 

@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.harness.bandwidth_peers import receiver_main, sender_main
+from bench.host_cpu import host_cpu
 from transfer.handshake import agent_name
 from transfer.layout import KVLayout
 
@@ -491,14 +492,6 @@ def _check_degrees(group: TPGroup, flag: str, p: argparse.ArgumentParser) -> Non
             p.error(f"{flag}: degree {d} neither divides {group.kv_heads} KV heads nor is a multiple of them")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return ""
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.transfer", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -567,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     conditions = dict(tokens=args.tokens, blocks=bench.num_blocks, block_size=BLOCK_SIZE, chunks=len(bench.chunks),
                       repeats=args.repeats, seed=args.seed, dtype=DTYPE,
                       nixl=importlib.metadata.version("nixl-cu12"), torch=importlib.metadata.version("torch"),
-                      cpu=_cpu_name())
+                      cpu=host_cpu().name)
     if rows:
         print(render(args, conditions, rows))
     if tp:
