@@ -96,8 +96,7 @@ class EngineLoop:
         self._kv_buffer = engine.record_kv_events()
         self.kv_events = KVEventLog()
         self.kv_events.take(KVEventBatch([], lost=True), engine.cached_block_hashes)  # what it holds already
-        # Read at each scrape, from this process's registry (a stand-in engine of a test has no tier).
-        kv_disk_metrics.watch(engine.disk_tier_stats if isinstance(engine, LLMEngine) else lambda: None)
+        kv_disk_metrics.watch(engine.disk_tier_stats)  # read at each scrape (None: no disk tier)
         self._disk_tokens = 0  # the engine's disk_tier_tokens observed into PREFIX_TIER_TOKENS so far
 
     # -- hooks for workers ----------------------------------------------------------------
