@@ -52,6 +52,7 @@ CONTEXT = 512  # the tiny checkpoint's max_position_embeddings
 KV_BLOCKS = 160
 STALL_FLOOR_S = 1.5  # D's --stall-timeout: a stalled loop is judged wedged this soon
 EOS = 2
+VICTIM_STEP_FLOOR_S = 0.1  # each step of the prefill workers frozen mid-prefill
 ABORT_BOUND_S = 3.0  # D's --abort-bound: an abort unconfirmed this long sets its blocks aside
 
 
@@ -86,9 +87,14 @@ def workers(model, tmp_path_factory):
         ("decode", args(0, KV_BLOCKS, BUDGET, "--stall-timeout", str(STALL_FLOOR_S), "--abort-bound",
                         str(ABORT_BOUND_S)),
          {"PDSERVE_FAULT_STALL_FILE": str(stall["d"])}),
-        ("prefill", args(1, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["victim"])}),
+        # The victim and term are frozen mid-prefill: their steps are held to VICTIM_STEP_FLOOR_S,
+        # so a 450-token prompt (29 steps) is seconds of prefill on any host, not a window a fast
+        # one closes before the test sees the request taken.
+        ("prefill", args(1, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["victim"]),
+                                               "PDSERVE_FAULT_STEP_FLOOR_S": str(VICTIM_STEP_FLOOR_S)}),
         ("decode", args(1, 64, BUDGET, "--no-transfer", "--max-num-seqs", "1", "--max-waiting", "1"), {}),
-        ("prefill", args(2, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["term"])}),
+        ("prefill", args(2, 64, BUDGET // 2), {"PDSERVE_FAULT_STALL_FILE": str(stall["term"]),
+                                               "PDSERVE_FAULT_STEP_FLOOR_S": str(VICTIM_STEP_FLOOR_S)}),
     ], model, tmp)
     try:
         yield Workers(*procs, stall)
