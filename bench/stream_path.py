@@ -59,6 +59,7 @@ from pathlib import Path
 import httpx
 
 from bench.harness.gateway_procs import gateway
+from bench.harness.sse_streams import Stream, open_streams
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import REPO, WorkerProc, WorkerSpec, start_workers, wait_idle
 from bench.host_cpu import host_cpu
@@ -167,8 +168,7 @@ def serving_path(model: Path, step_s: float, mode: str, max_batch: int, max_toke
     try:
         # Room for every stream, and no shedding on a predicted TTFT (the burst's ramp is not
         # what this measures): --max-ttft an hour.
-        room = ["--decode-streams", mode, "--max-connections", str(4 * max_batch + 64),
-                "--max-connections-per-ip", str(4 * max_batch + 64), "--max-ttft", "3600"]
+        room = ["--decode-streams", mode, "--max-connections", str(4 * max_batch + 64), "--max-ttft", "3600"]
         if gateways > 1:
             room += ["--processes", str(gateways)]
         with gateway(model, [worker.address], [], logs / f"gateway-{mode}-{gateways}-{step_s:g}.log", *room) as url:
@@ -182,71 +182,13 @@ def serving_path(model: Path, step_s: float, mode: str, max_batch: int, max_toke
 
 # -- the clients -----------------------------------------------------------------------------
 
-class Stream(asyncio.Protocol):
-    """One streaming request on its own connection, read as the loop hands over each read
-    (a protocol: no task per stream, no await per read). It keeps the time of each read that
-    brought tokens and how many: every SSE `data:` line but [DONE] is one token (the ids the
-    worker cycles through each detokenize to text, so each token is one event)."""
-
-    _EVENT = b"\ndata: "  # every event starts a line (after the head, or a chunk's size line)
-    _DONE = b"\ndata: [DONE]"
-
-    def __init__(self, request: bytes):
-        self.request = request
-        self.times: list[float] = []
-        self.counts: list[int] = []
-        self.done = False
-        self.error = ""
-        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._head: bytes | None = b""  # until the response head is in
-        self._tail = b""  # the last bytes read: an event marker may span two reads
-
-    @property
-    def tokens(self) -> int:
-        return sum(self.counts)
-
-    def connection_made(self, transport) -> None:
-        transport.write(self.request)
-
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic()  # the host's one monotonic clock, the worker's step times' too
-        if self._head is not None:
-            self._head += data
-            head, sep, data = self._head.partition(b"\r\n\r\n")
-            if not sep:
-                return
-            self._head = None
-            if not head.startswith(b"HTTP/1.1 200"):
-                self.error = (head.split(b"\r\n", 1)[0] + b": " + data).decode(errors="replace")[:300]
-                return
-            data = b"\n" + data
-        seen = self._tail + data
-        n = seen.count(self._EVENT, max(0, len(self._tail) - len(self._EVENT) + 1))  # none counted twice
-        if not self.done and self._DONE in seen:
-            self.done, n = True, n - 1
-        self._tail = seen[-len(self._DONE) + 1:]
-        if n:
-            self.times.append(now)
-            self.counts.append(n)
-
-    def connection_lost(self, exc) -> None:
-        if not self.done and not self.error:
-            self.error = f"the stream ended before [DONE] ({exc!r})"
-        self.ended.set_result(None)
-
-
 async def _clients(url: str, n: int, max_tokens: int,
                    groups: tuple[list[int], ...]) -> tuple[list[Stream], float, list[int]]:
     """N streams at once; (the streams, the start time, the most threads each group of
     processes had at once)."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "smollm2", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-                       "ignore_eos": True, "temperature": 0}).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-               f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
-    loop = asyncio.get_running_loop()
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}
     peaks = [_group_threads(g) for g in groups]
-    streams = [Stream(request) for _ in range(n)]
 
     async def sample() -> None:
         while True:
@@ -254,20 +196,9 @@ async def _clients(url: str, n: int, max_tokens: int,
             for i, g in enumerate(groups):
                 peaks[i] = max(peaks[i], _group_threads(g))
 
-    async def run(s: Stream) -> None:
-        try:
-            transport, _ = await loop.create_connection(lambda: s, host, int(port))
-        except OSError as e:
-            s.error = f"connect: {e!r}"
-            return
-        try:
-            await s.ended
-        finally:
-            transport.close()
-
     sampler = asyncio.create_task(sample())
     started = time.monotonic()
-    await asyncio.gather(*(run(s) for s in streams))
+    streams = await open_streams(url, n, "/v1/completions", body)
     sampler.cancel()
     return streams, started, peaks
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.trusted_proxies import TrustedProxies
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: kernels/host.py
 
@@ -136,6 +137,9 @@ class GatewaySettings:
     response_store_ttl_s: float | None = None
     # Route on the prefix index (gateway/prefix_index.py); False: as before it, to measure against.
     prefix_routing: bool = True
+    # Proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py): addresses or
+    # networks, comma-separated, or "*"; "" (default): none, forwarding headers not believed.
+    forwarded_allow_ips: str = ""
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
@@ -149,6 +153,10 @@ class GatewaySettings:
         _at_least(self, 0, "max_ttft_s", "request_timeout_s", "response_store_ttl_s", strict=True)
         _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes", "processes")
         _at_least(self, 0, "response_store_bytes")
+        try:
+            TrustedProxies(self.forwarded_allow_ips)
+        except ValueError as e:
+            _require(False, "forwarded_allow_ips", str(e).removeprefix("--forwarded-allow-ips: "))
 
     def args(self) -> list[str]:
         """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
@@ -175,6 +183,8 @@ class GatewaySettings:
             args += ["--response-store-bytes", str(self.response_store_bytes)]
         if self.response_store_ttl_s is not None:
             args += ["--response-store-ttl", str(self.response_store_ttl_s)]
+        if self.forwarded_allow_ips:
+            args += ["--forwarded-allow-ips", self.forwarded_allow_ips]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

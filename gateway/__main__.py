@@ -27,13 +27,14 @@ from common.parent_watch import watch_parent
 from gateway import admin_listener, metrics, processes
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
-from gateway.head_deadline import KEEP_ALIVE_S, with_head_timeout
+from gateway.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
 from gateway.metrics import SLO
 from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
 from gateway.shared_membership import SharedMembership
 from gateway.tenant_table import TenantTable
 from gateway.tenants import Tenants
+from gateway.trusted_proxies import TrustedProxies
 from rpc.auth import is_loopback
 
 
@@ -62,8 +63,13 @@ def main() -> None:
     ap.add_argument("--max-connections", type=int, default=1024,
                     help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
     ap.add_argument("--max-connections-per-ip", type=int, default=None,
-                    help="connections one client address may have still sending a request (head or body); past "
-                         "it a new one gets 429 and is closed (default: a quarter of --max-connections)")
+                    help="stalled connections one client address may have: still sending a request (head or body) "
+                         f"{STALL_GRACE_S:g} s after it began; past it one more gets a JSON 429 and is closed "
+                         "(default: a quarter of --max-connections). Fast requests never count")
+    ap.add_argument("--forwarded-allow-ips", default="",
+                    help="proxies (addresses or networks, comma-separated, or '*') whose X-Forwarded-For names the "
+                         "client: the per-address cap and /metrics access then go by that address (default: none, "
+                         "forwarding headers are not believed)")
     ap.add_argument("--request-timeout", type=float, default=None,
                     help="seconds a request may take in all, first token to last (default: derived per request: "
                          f"{FIRST_TOKEN_ALLOWANCE_S:g} s to its first token plus each token it may generate at 10x "
@@ -108,6 +114,10 @@ def main() -> None:
         per_ip = max(1, args.max_connections // 4)
     if per_ip < 1:
         ap.error("--max-connections-per-ip must be >= 1")
+    try:
+        proxies = TrustedProxies(args.forwarded_allow_ips)
+    except ValueError as e:
+        ap.error(str(e))
     refusal = open_bind_refusal(args.host, bool(args.tenants), args.insecure_no_api_keys)
     if refusal:
         ap.error(refusal)
@@ -147,16 +157,19 @@ def main() -> None:
                            decode_streams=args.decode_streams, response_store_bytes=args.response_store_bytes,
                            response_store_ttl_s=args.response_store_ttl,
                            response_store_folder=shared.responses if shared is not None else None,
-                           processes=args.processes, prefix_routing=args.prefix_routing)
+                           processes=args.processes, prefix_routing=args.prefix_routing, trusted_proxies=proxies)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip
-    # connections still sending a request (gateway/head_deadline.py).
+    # stalled connections (gateway/head_deadline.py). uvicorn's own proxy headers are off: who
+    # the client is comes from --forwarded-allow-ips alone (gateway/trusted_proxies.py). The
+    # asyncio loop, named: it reads pending bytes before it runs a timer due in the same turn.
     app = create_app(config)
     if shared is not None and admin is not None:  # a push one process takes reaches the others
         app = SharedMembership(app, shared.membership, admin_port, admin_token)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           http=with_head_timeout(args.header_timeout, per_ip),
+                                           http=with_head_timeout(args.header_timeout, per_ip, proxies),
+                                           loop="asyncio", proxy_headers=False,
                                            limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
                                            h11_max_incomplete_event_size=16384))
     sockets = [socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else server.config.bind_socket()]

@@ -51,6 +51,7 @@ from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.router import Router
 from gateway.tenants import Tenant, Tenants
+from gateway.trusted_proxies import SCOPE_KEY, ForwardedClient, Relay, TrustedProxies
 from gateway.tools import ToolPlan, render_messages
 from rpc import pdserve_pb2 as pb
 
@@ -91,6 +92,8 @@ class GatewayConfig:
     # as a decode worker's prefix source. False: routing as before the index (rendezvous hash
     # for prefill, least outstanding tokens for decode, no prefix source), to measure against.
     prefix_routing: bool = True
+    # The proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py); none by default.
+    trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -124,7 +127,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     if config.admin_token:  # outermost: /admin/* on the loopback admin socket only
         app.add_middleware(AdminOnLoopback, admin_port=config.admin_port if config.admin_port is not None else -1)
     app.add_middleware(RequestId)  # every answer names its request
-    app.add_middleware(AnthropicErrors)  # outermost: every refusal on /v1/messages in Anthropic's shape
+    app.add_middleware(AnthropicErrors)  # every refusal on /v1/messages in Anthropic's shape
+    app.add_middleware(ForwardedClient, proxies=config.trusted_proxies)  # outermost: who the client is
 
     @app.get("/health")
     async def health() -> dict:
@@ -149,7 +153,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         """The one scrape; concurrent scrapes share one round of calls and one merge. Off
         loopback, other hosts need the admin token (gateway/metrics_access.py)."""
         refusal = metrics_refusal(config.host, request.client.host if request.client else None,
-                                  request.headers.get("authorization"), config.admin_token)
+                                  request.headers.get("authorization"), config.admin_token,
+                                  request.scope.get(SCOPE_KEY, Relay.DIRECT))
         if refusal is not None:
             raise refusal
         return Response(await readiness.shared("scrape", _scrape), media_type=CONTENT_TYPE_LATEST)

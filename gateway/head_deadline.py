@@ -10,11 +10,20 @@ a request answered before its body was all in (that 408, a 413) has its connecti
 with the answer, since the rest of the body would be read with no deadline.
 
 Deadlines bound how long one connection can be held; `--max-connections-per-ip` bounds how
-many one client address holds while they run (gateway/per_ip_cap.py): a connection counts
-from the moment it opens, or from the first byte of its next request, until its whole
-request (head and body) is in. Past the cap a new connection from that address is answered
-429 and closed at once, before it can hold a slot; an idle keep-alive connection whose next
-request would pass it is closed the same way.
+many one client address holds *stalled* while they run (gateway/per_ip_cap.py). A request
+whose head and body arrive within `stall_grace_s` (from the connection's opening, or from
+the first byte of its next request) never counts: a burst of a thousand fast requests from
+one address (every client behind an L7 proxy has the proxy's address) is served whole. One
+still incomplete past the grace counts against its address until it is all in; past the
+cap it is answered a JSON 429 naming the cap, its reading half drained for a moment so the
+client reads the answer (a close with unread bytes would be a TCP reset, which destroys the
+answer in flight), then closed. A slow client holds at most the cap's worth of slots past
+the grace, however slowly it sends.
+
+The address is the peer's, or for a request from a trusted proxy (`--forwarded-allow-ips`,
+gateway/trusted_proxies.py) the one its X-Forwarded-For names, once its head is in: a
+proxy's stalled heads are not counted against the proxy's address (a proxy sends a head it
+has already received whole; the head deadline still bounds it).
 
 The bound is on the client's network, not on this host's speed: the event loop handles a
 socket's pending bytes before a timer due in the same turn, so a head that has arrived is
@@ -31,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.errors import error_body
 from gateway.per_ip_cap import PerIpCap
+from gateway.trusted_proxies import TrustedProxies
 
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
 # What a client of the gateway should expire its idle connections after: well below
@@ -38,12 +48,21 @@ KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn'
 # (httpx's default, 5 s, races the gateway's close on every reuse near the 5 s mark).
 CLIENT_KEEPALIVE_EXPIRY_S = 2.0
 
+# A request head and body arriving within this many seconds never count against the
+# per-address cap: many round trips of any real network. It bounds the client's network,
+# not this host's speed (the loop reads pending bytes before it runs a timer due in the same turn).
+STALL_GRACE_S = 2.0
+# How long a refused connection's reading half is drained before the close: long enough for
+# the client to read its 429, which it does as soon as it reads at all.
+LINGER_S = 2.0
+
 _408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 25\r\nconnection: close\r\n\r\n" \
        b"request head not received"
 
 
 def _too_many(limit: int, ip: str) -> bytes:
-    body = json.dumps(error_body(429, f"too many connections from {ip} still sending a request (limit {limit})",
+    body = json.dumps(error_body(429, f"too many stalled connections from {ip}: requests still being sent more "
+                                      f"than {STALL_GRACE_S:g} s after they began (limit {limit})",
                                  code="too_many_connections")).encode()
     return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
@@ -51,87 +70,145 @@ def _too_many(limit: int, ip: str) -> bytes:
 
 class HeadDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on every request head, and a cap on each client
-    address's connections still sending a request (`http=` of its Config)."""
+    address's stalled connections (`http=` of its Config)."""
 
     head_timeout_s: float = 10.0
+    stall_grace_s: float = STALL_GRACE_S
     per_ip: PerIpCap | None = None  # shared by every connection of one server
+    proxies: TrustedProxies = TrustedProxies()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
-        self._counted = False  # whether this connection counts against its address's cap now
-        if self._enter():  # a fresh connection is there to send a request: it counts at once
-            self._arm_head_timer()
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._counted: str | None = None  # the address this connection counts against now, if it does
+        self._sending = False  # a request of the client's is under way (opened, or its first bytes came)
+        self._lingering = False  # answered and closing: what still comes is dropped unread
+        self._arm_head_timer()
+        self._begin_request()  # a fresh connection is there to send a request
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():
-            return  # refused, or being closed: nothing more is read
-        if not self._counted and self.conn.their_state is h11.IDLE and not self._enter():
-            return  # the first bytes of a keep-alive connection's next request, past the cap: refused
+        if self._lingering or self.transport.is_closing():
+            return  # refused (the rest is drained unread), or being closed
+        if not self._sending and self.conn.their_state is h11.IDLE:
+            self._begin_request()  # the first bytes of a keep-alive connection's next request
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a whole head has been parsed
-            self._cancel_head_timer()
-        self._leave_once_received()
+            self._cancel(self._head_timer)
+        self._end_once_received()
+
+    def eof_received(self) -> bool | None:
+        if self._lingering:
+            self.transport.close()  # the client read its 429 and closed its side
+        return super().eof_received()
 
     def on_response_complete(self) -> None:
         early = self.conn.their_state is h11.SEND_BODY  # answered before its body was in (a 408, a 413)
         super().on_response_complete()
         if early and not self.transport.is_closing():
-            self.transport.close()  # the rest of that body is never read: a trickle would hold it with no deadline
+            self._linger()  # the rest of that body is never parsed: a trickle would hold it with no deadline
             return
         if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
             self._arm_head_timer()  # the next head has the same deadline, counted from now
         pipelined = self.conn.their_state is h11.SEND_BODY or (self.conn.their_state is h11.IDLE
                                                                 and self.conn.trailing_data[0])
-        if pipelined and not self._counted and not self.transport.is_closing():
-            self._enter()  # a next request already under way (pipelined): it counts from now
-        self._leave_once_received()
+        if pipelined and not self._sending and not self.transport.is_closing():
+            self._begin_request()  # a next request already under way (pipelined): its grace runs from now
+        self._end_once_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        if self._counted:
-            self._counted = False
-            self.per_ip.leave(self.client[0])
+        for timer in (self._head_timer, self._stall_timer, self._linger_timer):
+            self._cancel(timer)
+        self._uncount()
         super().connection_lost(exc)
 
-    def _enter(self) -> bool:
-        """Count this connection against its address's cap; past it, answer 429 and close."""
-        if self.per_ip is None or self.client is None:
-            return True
-        if self.per_ip.enter(self.client[0]):
-            self._counted = True
-            return True
-        if self.cycle is None or self.cycle.response_complete:  # nothing of ours is being sent
-            self.transport.write(_too_many(self.per_ip.limit, self.client[0]))
-        self.transport.close()
-        return False
+    def _begin_request(self) -> None:
+        """A request is under way: it has `stall_grace_s` to arrive whole before it counts."""
+        self._sending = True
+        if self.per_ip is not None and self.client is not None:
+            self._cancel(self._stall_timer)
+            self._stall_timer = self.loop.call_later(self.stall_grace_s, self._stalled)
 
-    def _leave_once_received(self) -> None:
+    def _end_once_received(self) -> None:
         """A whole request is in (or the connection is past requests): it no longer counts."""
-        if self._counted and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
-            self._counted = False
-            self.per_ip.leave(self.client[0])
+        if self._sending and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            self._sending = False
+            self._cancel(self._stall_timer)
+            self._stall_timer = None
+            self._uncount()
+
+    def _stalled(self) -> None:
+        """The grace ran out with the request still incomplete: count it against its address,
+        or refuse it past the cap."""
+        self._stall_timer = None
+        if not self._sending or self._lingering or self.transport.is_closing() or self._counted is not None:
+            return
+        if self.flow is not None and self.flow.read_paused:  # the app has not read what came (our backlog)
+            self._stall_timer = self.loop.call_later(self.stall_grace_s, self._stalled)
+            return
+        in_head = self.conn.their_state is h11.IDLE
+        ip = self.client[0] if in_head else self.proxies.client(self.client[0], self.headers or ())
+        if ip is None or (in_head and self.proxies.trusts(ip)):
+            return  # a trusted proxy's head: the proxy received it whole; the head deadline bounds it
+        if self.per_ip.enter(ip):
+            self._counted = ip
+        else:
+            self._refuse(_too_many(self.per_ip.limit, ip))
+
+    def _uncount(self) -> None:
+        if self._counted is not None:
+            self.per_ip.leave(self._counted)
+            self._counted = None
+
+    def _refuse(self, answer: bytes) -> None:
+        """Answer (unless an answer of ours is under way) and close, draining what the client
+        still sends for up to LINGER_S so the answer is read, not reset."""
+        self._lingering = True
+        if self.cycle is not None and not self.cycle.response_complete:
+            started = self.cycle.response_started
+            self.cycle.disconnected = True  # the app sees the client gone; its answer goes nowhere
+            self.cycle.message_event.set()
+            if started:
+                self.transport.close()
+                return
+        self.transport.write(answer)
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close once the answer is out, reading and dropping what the client still sends for
+        up to LINGER_S: a close with unread bytes is a reset, which can destroy the answer
+        before the client reads it."""
+        self._lingering = True
+        if self.transport.can_write_eof():  # not over TLS: there the answer's length tells the client it ended
+            self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
+        self._cancel(self._head_timer)
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
-    def _cancel_head_timer(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+    @staticmethod
+    def _cancel(timer: asyncio.TimerHandle | None) -> None:
+        if timer is not None:
+            timer.cancel()
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self._lingering or self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
         if self.cycle is None or self.cycle.response_complete:  # nothing of ours is being sent
             self.transport.write(_408)
+            self._linger()
+            return
         self.transport.close()
 
 
-def with_head_timeout(seconds: float, max_per_ip: int | None = None) -> type[HeadDeadlineProtocol]:
+def with_head_timeout(seconds: float, max_per_ip: int | None = None, proxies: TrustedProxies | None = None,
+                      stall_grace_s: float = STALL_GRACE_S) -> type[HeadDeadlineProtocol]:
     """The protocol class for uvicorn.Config(http=...), with this deadline and, if given, a cap
-    on each address's connections still sending a request."""
+    on each address's stalled connections (`proxies`: whose X-Forwarded-For names the address)."""
     cap = PerIpCap(max_per_ip) if max_per_ip is not None else None
-    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,), {"head_timeout_s": seconds, "per_ip": cap})
+    return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,),
+                {"head_timeout_s": seconds, "per_ip": cap, "proxies": proxies or TrustedProxies(),
+                 "stall_grace_s": stall_grace_s})

@@ -1,11 +1,13 @@
-"""How many of one client address's connections are still sending a request (head or body).
+"""How many of one client address's connections are stalled: still sending a request (head
+or body) past a short grace.
 
 `--max-connections` bounds the gateway's connections in all; a client that opens many and
 sends each request a byte now and then (within the head and body deadlines) could still hold
 every slot for as long as those deadlines allow, and everyone else would get 503. Counting
-per address what is not yet fully received, and refusing past a cap, leaves the other
-addresses their slots: one address holds at most the cap in its slow phase, however slowly
-it sends. Requests already received (streams being answered) do not count.
+per address what is stalled, and refusing past a cap, leaves the other addresses their
+slots: one address holds at most the cap in its slow phase, however slowly it sends.
+Requests that arrive within the grace (a burst of fast ones) and requests already received
+(streams being answered) do not count (gateway/head_deadline.py decides what is stalled).
 """
 
 from __future__ import annotations

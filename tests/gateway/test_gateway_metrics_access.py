@@ -10,6 +10,7 @@ import pytest
 
 from gateway.app import GatewayConfig, create_app
 from gateway.metrics_access import metrics_refusal
+from gateway.trusted_proxies import Relay
 
 TOKEN = "admin-token-for-the-test"
 REMOTE = "203.0.113.7"  # a documentation address: another machine
@@ -29,6 +30,21 @@ REMOTE = "203.0.113.7"  # a documentation address: another machine
 ])
 def test_who_may_read_metrics(bind, peer, auth, token, status):
     refusal = metrics_refusal(bind, peer, auth, token)
+    assert (refusal.status if refusal else None) == status, refusal and refusal.message
+
+
+@pytest.mark.parametrize("bind,client,relay,auth,status", [
+    # behind a same-host proxy that is not trusted: its loopback address opens nothing
+    ("127.0.0.1", "127.0.0.1", Relay.UNTRUSTED, None, 401),
+    ("0.0.0.0", "127.0.0.1", Relay.UNTRUSTED, None, 401),
+    ("127.0.0.1", "127.0.0.1", Relay.UNTRUSTED, f"Bearer {TOKEN}", None),
+    # through a trusted proxy the address it names decides
+    ("127.0.0.1", REMOTE, Relay.TRUSTED, None, 401),
+    ("127.0.0.1", "127.0.0.1", Relay.TRUSTED, None, None),
+    ("127.0.0.1", REMOTE, Relay.TRUSTED, f"Bearer {TOKEN}", None),
+])
+def test_a_proxied_request_gets_no_loopback_exemption_from_its_proxy(bind, client, relay, auth, status):
+    refusal = metrics_refusal(bind, client, auth, TOKEN, relay)
     assert (refusal.status if refusal else None) == status, refusal and refusal.message
 
 
@@ -53,3 +69,7 @@ def test_an_off_loopback_gateway_refuses_metrics_without_the_admin_token(smollm2
     assert allowed.status_code == 200 and "pdserve_requests_total" in allowed.text, allowed.text[:300]
     on_loopback = _get_metrics(smollm2_dir, "127.0.0.1", REMOTE, {})
     assert on_loopback.status_code == 200 and "pdserve_requests_total" in on_loopback.text
+    # a loopback gateway behind a same-host proxy (no --forwarded-allow-ips): the proxy's
+    # request carries the client it relays, so its own loopback address opens nothing
+    proxied = _get_metrics(smollm2_dir, "127.0.0.1", "127.0.0.1", {"X-Forwarded-For": REMOTE})
+    assert proxied.status_code == 401 and "pdserve_" not in proxied.text, proxied.text[:300]
