@@ -83,6 +83,12 @@ def ray_auth_token_path() -> Path:
     return Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
 
 
+def run_dir() -> Path:
+    """Where running processes keep state they share (a gateway's processes' folder):
+    <cache dir>/run, never /tmp, whose cleaners remove files a long-lived process still needs."""
+    return cache_dir() / "run"
+
+
 def log_dir() -> Path:
     """PDSERVE_LOG_DIR: where a deployment's processes log, one folder per deployment
     (default <cache dir>/logs; folders 0700, files 0600, rotated by size)."""

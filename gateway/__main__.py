@@ -138,7 +138,10 @@ def main() -> None:
     name = args.served_name or (args.model if "/" not in args.model else path.name)
     # config.json directly: the gateway never imports torch (engine.config does)
     max_len = json.loads((path / "config.json").read_text()).get("max_position_embeddings", 8192)
-    tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
+    try:
+        tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
+    except (OSError, ValueError, TypeError) as e:  # a malformed file: say what, not a traceback
+        ap.error(f"--tenants {args.tenants}: {e}")
     if shared is not None:
         tenants.share(TenantTable.open(shared.counts, len(tenants.all()), args.processes, args.process))
     if tenants.open and not is_loopback(args.host):

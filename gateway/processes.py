@@ -8,7 +8,10 @@ one child (the pre-fork model of gunicorn, and of uvicorn's own workers). The fr
 serves nothing itself. With `--processes 1` (the default) there is no front process: the
 one gateway process serves as it always has.
 
-What the children share, in the folder (0700, removed when the front process ends):
+What the children share, in the folder (0700, under the cache folder's `run/`
+(common/envs.py `run_dir`), not /tmp, whose cleaners would remove a file a child restarted
+days later needs; removed when the front process ends, or at the next start on the host
+when the front process was killed):
 
 - `tenants.json`: the tenants file, read once by the front process and copied, so a child
   restarted later serves the same tenants, in the same rows of
@@ -62,6 +65,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common import envs
 from common.parent_watch import ENV as PARENT_ENV
 from common.parent_watch import watch_parent
 from gateway.tenant_table import TenantTable
@@ -187,10 +191,17 @@ def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
+FOLDER_PREFIX = "gateway-"  # then the front process's pid and a dash
+
+
 def make_folder(tenants_file: str | None, processes: int) -> tuple[SharedFolder, TenantTable]:
     """The private shared folder: the tenants file's copy, a zeroed counts table (a row per
-    tenant, the anonymous one included), empty metrics and responses folders."""
-    folder = SharedFolder(Path(tempfile.mkdtemp(prefix="pdserve-gateway-")))  # 0700
+    tenant, the anonymous one included), empty metrics and responses folders. Folders left
+    by front processes that no longer run (killed, so they never removed theirs) go first."""
+    run = envs.run_dir()
+    run.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _remove_orphans(run)
+    folder = SharedFolder(Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-", dir=run)))  # 0700
     try:
         folder.metrics.mkdir()
         folder.responses.mkdir(mode=0o700)
@@ -203,6 +214,23 @@ def make_folder(tenants_file: str | None, processes: int) -> tuple[SharedFolder,
         shutil.rmtree(folder.path, ignore_errors=True)
         raise
     return folder, table
+
+
+def _remove_orphans(run: Path) -> None:
+    for old in run.glob(f"{FOLDER_PREFIX}*-*"):
+        pid = old.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def serve(processes: int, sockets: list[socket.socket], tenants_file: str | None, child_args) -> int:

@@ -127,11 +127,18 @@ class Tenants:
         "priority": ..}]}; an entry without max_concurrent runs what the decode pool holds."""
         data = json.loads(Path(path).read_text())
         by_key: dict[str, Tenant] = {}
+        names: set[str] = set()
         for entry in data.get("tenants", []):
             keys = entry.pop("api_keys", [])
             if not keys:
                 raise ValueError(f"tenant {entry.get('name')!r} has no api_keys")
             tenant = Tenant(**entry)
+            # a name is a tenant's prefix-cache salt and its stored responses' namespace: two
+            # entries named alike would share both
+            if tenant.name in names:
+                raise ValueError(f"tenant {tenant.name!r} is named twice in {path}: each entry needs a name of its "
+                                 "own (give one entry several api_keys to let it use more than one key)")
+            names.add(tenant.name)
             for key in keys:
                 if key in by_key:
                     raise ValueError(f"an API key of tenant {tenant.name!r} is also used by {by_key[key].name!r}")

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ import pytest
 from bench.harness.gateway_procs import admin_gateway, metric_value, serving_process
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import WorkerProc, start_workers, wait_until
+from common import envs
+from gateway import processes
 from gateway.errors import APIError
 from gateway.tenant_table import TenantTable
 from gateway.tenants import Tenant, Tenants
@@ -71,6 +74,27 @@ def test_the_shared_table_sums_every_process_column_and_a_zeroed_column_frees_it
     assert first.shared.totals() == (0, 0)
 
 
+def test_the_shared_folder_is_in_the_run_folder_and_a_killed_front_process_leaves_none(tmp_path, monkeypatch):
+    """A front process killed with SIGKILL never removed its folder: the next start on the
+    host does, and leaves a live front process's alone."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    run = envs.run_dir()
+    run.mkdir(parents=True)
+    orphan, live = run / f"gateway-{dead.pid}-abc", run / f"gateway-{os.getppid()}-abc"
+    for folder in (orphan, live):
+        folder.mkdir()
+        (folder / "tenants.json").write_text("{}")
+    folder, table = processes.make_folder(None, 2)
+    try:
+        assert folder.path.parent == run and folder.path.name.startswith(f"gateway-{os.getpid()}-")
+        assert not orphan.exists() and live.exists()
+    finally:
+        table.close()
+        shutil.rmtree(folder.path)
+
+
 @dataclass
 class Deployment:
     url: str
@@ -108,6 +132,8 @@ def deployment(smollm2_dir, tmp_path_factory):
             cmdline = psutil.Process(min(d.children())).cmdline()
             folder = Path(cmdline[cmdline.index("--shared") + 1])
             assert folder.is_dir() and folder.stat().st_mode & 0o777 == 0o700, folder
+            # under the cache folder's run/, not /tmp: a tmp cleaner would take tenants.json from a later restart
+            assert folder.parent == envs.run_dir() and folder.name.startswith(f"gateway-{front.pid}-"), folder
             yield d
         # both children ended cleanly, and the front process by the signal, as a lone gateway does
         assert front.returncode == -signal.SIGTERM, (logs / "gateway.log").read_text()[-3000:]

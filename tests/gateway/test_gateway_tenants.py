@@ -8,6 +8,8 @@ import asyncio
 import json
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -15,7 +17,7 @@ import pytest
 
 from bench.harness.gateway_procs import CHAT, gateway, metric_value, raw_post
 from bench.harness.tiny_models import write_tiny_checkpoint
-from bench.harness.worker_procs import start_workers, wait_idle, wait_until
+from bench.harness.worker_procs import REPO, start_workers, wait_idle, wait_until
 from gateway.errors import APIError
 from gateway.router import Router
 from gateway.tenants import STARTUP_SEQUENCES, Tenant, Tenants
@@ -349,3 +351,17 @@ def test_past_what_the_decode_pool_holds_the_open_tenant_gets_a_429_naming_it(ro
     assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
     served = httpx.post(f"{url}/v1/completions", timeout=60, json=ONE_MORE)
     assert served.status_code == 200, served.text
+
+
+def test_two_tenants_named_alike_are_refused_at_start(smollm2_dir, tmp_path):
+    """A name is a tenant's cache salt and its stored responses' namespace: a file naming two
+    entries alike stops the gateway at start, naming the tenant, before it serves anyone."""
+    tenants = tmp_path / "tenants.json"
+    tenants.write_text(json.dumps({"tenants": [{"name": "team", "api_keys": ["k1"]},
+                                               {"name": "team", "api_keys": ["k2"]}]}))
+    with pytest.raises(ValueError, match="'team' is named twice"):
+        Tenants.from_file(tenants)
+    started = subprocess.run([sys.executable, "-m", "gateway", "--model", str(smollm2_dir), "--decode", "127.0.0.1:1",
+                              "--tenants", str(tenants), "--port", "0"], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+    assert started.returncode == 2 and "tenant 'team' is named twice" in started.stderr, started.stderr[-2000:]
