@@ -177,6 +177,9 @@ class RequestPath:
                                  prefill_workers=router.rank_prefill(prompt, salt, hashes), cache_salt=salt,
                                  tenant=tenant.name)
         started = time.monotonic()
+        # One deadline for the whole request: its first worker's call, its retries, replays
+        # and hand-offs all run within it (--request-timeout is the bound in all).
+        deadline = started + self.call_deadline_s(req)
         call = None
         n = body.n  # parallel choices: one prefill, the rest start from the decode worker's prefix cache
         claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt), n)
@@ -190,7 +193,7 @@ class RequestPath:
         calls: list[DecodeStream] = []
         try:
             try:
-                calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint, hashes))
+                calls = await unless_gone(request.receive, self._start(req, n, claims, endpoint, hashes, deadline))
             except APIError as e:  # the decode worker's compile refused the schema: name the parameter
                 if e.status == 400 and ": grammar: " in e.message:
                     e.param = "tools" if tools is not None and tools.grammar is not None else "response_format"
@@ -231,7 +234,8 @@ class RequestPath:
         finally:
             await finish()
 
-    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str, claims: Claims) -> list[DecodeStream]:
+    async def _siblings(self, req: pb.GenerateRequest, n: int, address: str, claims: Claims,
+                        deadline: float) -> list[DecodeStream]:
         """Choices 1..n-1 on the decode worker that holds the first's prompt, prefilled there
         (no prefill workers: only the prompt's last, partial block is not in its prefix
         cache); a seeded request's choice i samples with seed + i. Opened at once, their
@@ -247,8 +251,8 @@ class RequestPath:
                 if child.params.HasField("seed"):
                     child.params.seed = (child.params.seed + i) % 2**63
                 children.append(child)
-                opened.append(asyncio.ensure_future(self._open(address, child)))
-            reopen = functools.partial(self._reopen, claims=claims)
+                opened.append(asyncio.ensure_future(self._open(address, child, deadline)))
+            reopen = functools.partial(self._reopen, claims=claims, deadline=deadline)
             return [DecodeStream(child, address, call, first, reopen)
                     for child, (call, first) in zip(children, await asyncio.gather(*opened))]
         except BaseException:
@@ -259,7 +263,7 @@ class RequestPath:
             raise
 
     async def _start(self, req: pb.GenerateRequest, n: int, claims: Claims, endpoint: str,
-                     hashes: list[bytes]) -> list:
+                     hashes: list[bytes], deadline: float) -> list:
         """Open the request's `n` Generate streams on one decode worker and wait for each
         one's first message. A worker that fails before that (refuses it while draining or
         shutting down, breaks, or ends it with an error and no token) costs a retry on
@@ -283,10 +287,11 @@ class RequestPath:
                         prefix_source=source[0] if source is not None else None)
             calls: list[DecodeStream] = []
             try:
-                reopen = functools.partial(self._reopen, claims=claims)
-                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req), reopen))
+                reopen = functools.partial(self._reopen, claims=claims, deadline=deadline)
+                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req, deadline),
+                                          reopen))
                 if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
-                    calls += await self._siblings(req, n, worker.address, claims)
+                    calls += await self._siblings(req, n, worker.address, claims, deadline)
                 return calls
             except BaseException as e:
                 claims.off()
@@ -308,30 +313,46 @@ class RequestPath:
                 REQUESTS.labels(endpoint, str(e.status) if refused else "error").inc()  # a worker's 429 is a 429
                 raise
 
-    async def _reopen(self, req: pb.GenerateRequest, failed: set[str],
-                      claims: Claims) -> tuple[str, object, pb.GenerateResponse]:
+    async def _reopen(self, req: pb.GenerateRequest, failed: set[str], claims: Claims,
+                      deadline: float) -> tuple[str, object, pb.GenerateResponse]:
         """A replay (gateway/decode_stream.py) on a decode worker other than `failed`, each
-        that fails before its first message costing another, up to MAX_DECODE_ATTEMPTS in
-        all; APIError when none is left. The request's routing cost moves with it (the
-        first of its choices to move takes it)."""
+        that fails to take it (down, draining, refusing it as overloaded or invalid there)
+        costing another, up to MAX_DECODE_ATTEMPTS in all, within the request's one
+        `deadline`; APIError when none is left. The request's routing cost moves with it (the
+        first of its choices to move takes it), counted on each worker as it is picked: the
+        streams of a drained worker, replayed at once, spread over the others instead of all
+        picking the one that was least loaded before any of them landed."""
         tried = set(failed)
         req.ClearField("prefix_source")  # named for its first worker: a replay computes or copies its KV anew
         for worker in self.router.decode:
             worker.healthy = worker.healthy and worker.address not in failed  # until its next health round
+        moving = claims.worker is not None and claims.worker.address in failed
+        if moving:
+            claims.off(freed=False)  # the failed worker frees its blocks on its own time
+        last = "none tried"
         while len(tried) < MAX_DECODE_ATTEMPTS and any(w.address not in tried for w in self.router.decode):
+            if deadline - time.monotonic() <= 0:
+                raise WorkerUnavailable(504, "the request's deadline passed before a replay could start", down=False)
             worker = self.router.pick_decode(len(req.prompt_token_ids) + len(req.output_token_ids), exclude=tried)
+            if moving:
+                claims.on(worker)  # at the pick: the next replay picking now sees it
             try:
-                call, first = await self._open(worker.address, req)
-            except WorkerUnavailable as e:
+                call, first = await self._open(worker.address, req, deadline)
+            except APIError as e:  # down or draining, overloaded (429) or refusing it (400): the next may take it
+                if moving:
+                    claims.off()
                 log.info("request %s: replay on %s failed: %s", req.request_id, worker.address, e.message)
-                worker.healthy = worker.healthy and not e.down
+                if isinstance(e, WorkerUnavailable):
+                    worker.healthy = worker.healthy and not e.down
                 tried.add(worker.address)
+                last = e.message
                 continue
-            if claims.worker is not None and claims.worker.address in failed:
-                claims.off()
-                claims.on(worker)
+            except BaseException:
+                if moving:
+                    claims.off()
+                raise
             return worker.address, call, first
-        raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)})")
+        raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)}; last: {last})")
 
     def call_deadline_s(self, req: pb.GenerateRequest) -> float:
         """How long a Generate call may run: the user's `--request-timeout`, or derived from
@@ -344,9 +365,13 @@ class RequestPath:
         return derived_deadline_s(req.params.max_tokens - len(req.output_token_ids),
                                   self.router.slowest_decode_step_s())
 
-    async def _open(self, address: str, req: pb.GenerateRequest):
-        """The Generate stream and its first message (admission errors surface here)."""
-        call = self.backend.generate(address, req, self.call_deadline_s(req))
+    async def _open(self, address: str, req: pb.GenerateRequest, deadline: float):
+        """The Generate stream and its first message (admission errors surface here), the
+        call bounded by what is left of the request's `deadline` (time.monotonic())."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise APIError(504, "the request's deadline passed")
+        call = self.backend.generate(address, req, left)
         try:
             first = await call.read()
         except asyncio.CancelledError:  # its client left: the decode worker drops it now
@@ -359,6 +384,8 @@ class RequestPath:
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise APIError(429, f"overloaded: {e.details()}", headers={"Retry-After": "1"},
                                reason="worker_queue_full") from None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise APIError(504, "the request's deadline passed before its first token") from None
             raise WorkerUnavailable(503, f"decode worker unavailable ({code.name})") from None
         if first is grpc.aio.EOF:
             raise WorkerUnavailable(503, "decode worker closed the stream")
