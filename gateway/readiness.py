@@ -107,6 +107,8 @@ class Readiness:
         router = self.router
         for w in router.decode + router.prefill:
             s = stats.get(w.address)
+            if s is not None and s.worker:
+                w.name = s.worker
             if s is not None and s.block_size:
                 w.observe(s.free_blocks, s.total_blocks, s.block_size, s.waiting_tokens, asked_at=asked,
                           max_sequences=s.max_num_seqs + s.max_waiting)

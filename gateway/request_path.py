@@ -227,10 +227,10 @@ class RequestPath:
             return _ReleasingStream(responses.sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),
                                     on_close=finish, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                             **served.headers()})
+                                             **served.headers(self.router.name_of)})
         try:
             answer = responses.collect_all(kind, choices, rid, body, config.model_name, self.tokenizer, tools)
-            return await _collect_unless_gone(request, answer, served.headers())
+            return await _collect_unless_gone(request, answer, served.headers(self.router.name_of))
         finally:
             await finish()
 

@@ -43,6 +43,7 @@ class WorkerState:
     waiting_tokens: int = 0  # queued prompt tokens at the last Stats
     longest_step_s: float = 0.0  # the longest engine step it measured (its deep health's answer)
     max_sequences: int | None = None  # running plus queued requests it holds at most (None: not reported)
+    name: str | None = None  # role-worker_id-incarnation, from its Stats: how clients see it (None: not yet)
 
     def end_claim(self, tokens: int, freed: bool) -> None:
         """A request's claim ends: its blocks are room again at once when it ended on the
@@ -171,6 +172,13 @@ class Router:
         """The largest decode worker's whole KV cache in tokens (None while unknown)."""
         known = [w.kv_total_tokens for w in self.decode if w.kv_total_tokens is not None]
         return max(known) if known else None
+
+    def name_of(self, address: str) -> str | None:
+        """The worker's name (role-worker_id-incarnation) as its last Stats said; None if unknown."""
+        for w in self.decode + self.prefill:
+            if w.address == address:
+                return w.name
+        return None
 
     def has_other_decode(self, worker: WorkerState) -> bool:
         return any(w is not worker for w in self.decode)

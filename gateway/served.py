@@ -1,14 +1,19 @@
 """How a request was served, as its answer's headers say it, so a client can check that
 disaggregation happened (and `pdserve trace`, from the gateway's `first_token` event):
 
-    x-pdserve-decode-worker: 127.0.0.1:7102        the decode worker (gRPC address) it ran on
+    x-pdserve-decode-worker: decode-0-17966...     the decode worker it ran on (role-id-incarnation)
     x-pdserve-prefill: remote                      or local
-    x-pdserve-prefill-worker: 127.0.0.1:7101       remote: the prefill worker whose KV it decodes from
+    x-pdserve-prefill-worker: prefill-1-17966...   remote: the prefill worker whose KV it decodes from
     x-pdserve-kv-blocks: 3                         remote: the KV blocks that came over from it
     x-pdserve-local-prefill-reason: below_threshold  local: why (below)
-    x-pdserve-cached-tokens: 0                     prompt tokens the decode worker's prefix cache served
-    x-pdserve-prefix-source: 127.0.0.1:7103        the sibling decode worker it fetched prompt blocks from
+    x-pdserve-cached-tokens: 0                     prompt tokens a prefix cache served (any worker's, any tier)
+    x-pdserve-prefix-source: decode-1-17966...     the sibling decode worker it fetched prompt blocks from
     x-pdserve-prefix-blocks: 6                     ... and how many (counted in the cached tokens)
+
+Clients see workers by name (`role-worker_id-incarnation`, as `pdserve status` and /metrics
+name them), never by their gRPC addresses: those are internal, and stay in the trace
+(`pdserve trace`) and the admin side. A worker whose name the gateway has not learnt yet
+(its first Stats) is left out of the headers.
 
 A streamed answer's headers leave with its first bytes, so all of this comes on the request's
 first message from its decode worker (pb.Served, decode/worker.py); a whole answer carries
@@ -23,7 +28,7 @@ prefill worker nor a local reason to say), how it was prefilled is not known:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from common.trace import SERVED_FIELDS
@@ -31,6 +36,7 @@ from rpc import pdserve_pb2 as pb
 from rpc.convert import local_prefill_name
 
 HEADER_PREFIX = "x-pdserve-"
+WORKER_FIELDS = ("decode_worker", "prefill_worker", "prefix_source")  # addresses inside, names to clients
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,16 @@ class Served:
         """The facts known, by name (common/trace.py SERVED_FIELDS)."""
         return {name: v for name in SERVED_FIELDS if (v := getattr(self, name)) is not None}
 
-    def headers(self) -> dict[str, str]:
-        return {HEADER_PREFIX + name.replace("_", "-"): str(v) for name, v in self.fields().items()}
+    def headers(self, name_of: Callable[[str], str | None]) -> dict[str, str]:
+        """The answer's headers, each worker named by `name_of(address)` (left out when None)."""
+        out = {}
+        for field, value in self.fields().items():
+            if field in WORKER_FIELDS:
+                value = name_of(value)
+                if value is None:
+                    continue
+            out[HEADER_PREFIX + field.replace("_", "-")] = str(value)
+        return out
 
 
 def served_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -92,6 +92,11 @@ class WorkerProc:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def name(self) -> str:
+        """Its name (role-worker_id-incarnation), as its Stats and the gateway's headers give it."""
+        return self.stats().worker
+
     def kill(self) -> None:
         """SIGKILL, no clean-up on the worker's side (a crash)."""
         if self.alive():

@@ -77,7 +77,7 @@ def test_the_index_routes_to_the_worker_holding_the_prefix_not_the_hash(two_pref
     # The continuation: the decode worker holds the prefix too, and asks a prefill worker for the tail.
     r = _complete(url2, prompt + list(range(2000, 2020)))
     assert r.headers["x-pdserve-prefill"] == "remote"
-    assert r.headers["x-pdserve-prefill-worker"] == a.address  # rendezvous alone says B
+    assert r.headers["x-pdserve-prefill-worker"] == a.name  # rendezvous alone says B
     text = _metrics(url2)
     assert _sample(text, "pdserve_prefix_routes_total", pool="prefill", by="index") == before + 1
 
@@ -93,7 +93,7 @@ def test_a_restarted_worker_leaves_no_entries(two_prefill):
     url, a, b, url2, (b_args, model, logs) = two_prefill
     prompt = _prompt_hashed_to(b.address, [a.address, b.address], seed=2)
     r = _complete(url2, prompt)
-    assert r.headers["x-pdserve-prefill-worker"] == b.address
+    assert r.headers["x-pdserve-prefill-worker"] == b.name
     old = b.stats().worker
     assert _sample(_metrics(url2), "pdserve_worker_prefix_index_blocks", worker=old) >= 5
 

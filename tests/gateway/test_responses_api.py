@@ -84,7 +84,7 @@ def test_the_stream_is_openais_event_sequence(system):
     body = {"model": "smollm2", "max_output_tokens": 6, "input": ASK, "stream": True, "temperature": 0}
     with httpx.stream("POST", f"{system[0]}/v1/responses", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-        assert r.headers["x-pdserve-decode-worker"] == system[2].address, r.headers
+        assert r.headers["x-pdserve-decode-worker"] == system[2].name, r.headers
         lines = list(r.iter_lines())
     names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
     events = [json.loads(d.removeprefix("data: ")) for d in data_lines(lines)]

@@ -79,8 +79,8 @@ def _remote(headers: httpx.Headers, usage: dict, prefill, decode) -> None:
     block = decode.stats().block_size
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     assert _served(headers) == {
-        "x-pdserve-decode-worker": decode.address, "x-pdserve-prefill": "remote",
-        "x-pdserve-prefill-worker": prefill.address,
+        "x-pdserve-decode-worker": decode.name, "x-pdserve-prefill": "remote",
+        "x-pdserve-prefill-worker": prefill.name,
         "x-pdserve-kv-blocks": str(-(-usage["prompt_tokens"] // block) - cached // block),
         "x-pdserve-cached-tokens": str(cached)}
 
@@ -88,7 +88,7 @@ def _remote(headers: httpx.Headers, usage: dict, prefill, decode) -> None:
 def _local(headers: httpx.Headers, reason: str, decode, cached: int | None = None) -> None:
     served = _served(headers)
     assert {k: v for k, v in served.items() if k != "x-pdserve-cached-tokens"} == {
-        "x-pdserve-decode-worker": decode.address, "x-pdserve-prefill": "local",
+        "x-pdserve-decode-worker": decode.name, "x-pdserve-prefill": "local",
         "x-pdserve-local-prefill-reason": reason}, served
     assert cached is None or served["x-pdserve-cached-tokens"] == str(cached), served
 
@@ -126,8 +126,8 @@ def test_a_messages_answer_carries_the_same_headers(system, stream):
     resp = httpx.post(f"{url}/v1/messages", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     served = _served(resp.headers)
-    assert served["x-pdserve-prefill"] == "remote" and served["x-pdserve-prefill-worker"] == prefill.address
-    assert served["x-pdserve-decode-worker"] == decode.address and int(served["x-pdserve-kv-blocks"]) > 0
+    assert served["x-pdserve-prefill"] == "remote" and served["x-pdserve-prefill-worker"] == prefill.name
+    assert served["x-pdserve-decode-worker"] == decode.name and int(served["x-pdserve-kv-blocks"]) > 0
 
 
 def test_a_chat_answer_streamed_or_not_carries_the_headers(system):
@@ -136,7 +136,7 @@ def test_a_chat_answer_streamed_or_not_carries_the_headers(system):
         body = {"model": "smollm2", "messages": CHAT, "max_tokens": 2, "temperature": 0, "stream": stream}
         resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert resp.status_code == 200
-        assert _served(resp.headers)["x-pdserve-decode-worker"] == decode.address
+        assert _served(resp.headers)["x-pdserve-decode-worker"] == decode.name
         assert _served(resp.headers)["x-pdserve-prefill"] == "remote"
 
 
