@@ -235,6 +235,7 @@ class RemotePrefills:
                                      transfer=resp.error.code == pb.KV_TRANSFER_FAILED)
                 return
             state.first_token = resp.first_token_id
+            state.prefill_cached_tokens = resp.num_cached_tokens
             state.first_logprobs = logprobs_from_pb(resp.first_logprobs) if resp.HasField("first_logprobs") else None
             state.prefill_timings = resp.timings
             trace.event(state.request_id, "prefill_replied", attempt=state.attempt + 1)
@@ -243,7 +244,9 @@ class RemotePrefills:
             del self.states[state.request_id]
             self._events.append(KVReady(state.request_id, state.first_token, state.first_logprobs,
                                         state.prefill_timings, len(state.destination_blocks),
-                                        state.num_cached_tokens, state.worker))
+                                        # prompt tokens computed nowhere: this worker's cache hits, or the
+                                        # prefill worker's (any tier: memory, disk), whichever covers more
+                                        max(state.num_cached_tokens, state.prefill_cached_tokens), state.worker))
 
     def _attempt_failed(self, state: RemotePrefillState, reason: str, gone: bool = False,
                         transfer: bool = False) -> None:

@@ -43,6 +43,7 @@ class RemotePrefillState:
     first_token: int | None = None
     first_logprobs: object = None
     prefill_timings: object = None
+    prefill_cached_tokens: int = 0  # prompt tokens the prefill worker's prefix cache served (its reply)
     started: float = field(default_factory=time.monotonic)
     failures: list[str] = field(default_factory=list)
     transfer_failed: bool = False  # the last failed attempt failed in its KV transfer, not its prefill

@@ -60,7 +60,7 @@ class _Stream:
     scheduled_at: float | None = None  # its first step: its blocks reserved or its first chunk run
     first_token_at: float | None = None
     num_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens computed nowhere: its prefix cache hits, or its prefill worker's
     prefill_timings: pb.Timings | None = None
     local_prefill: int = pb.LOCAL_PREFILL_NONE  # why it is prefilled here (NONE: a remote prefill's KV)
     prefill_worker: str = ""  # whose KV it decodes from, once that KV is here
@@ -341,6 +341,7 @@ class DecodeWorker(EngineLoop):
                 if stream is not None:
                     stream.prefill_timings = ev.timings
                     stream.prefill_worker, stream.kv_blocks = ev.worker, ev.num_blocks
+                    stream.cached_tokens = max(stream.cached_tokens, ev.num_cached_tokens)  # the prefill worker's too
                 t = ev.timings
                 trace.event(ev.request_id, "kv_ready", blocks=ev.num_blocks, prefill_worker=ev.worker,
                             prefill_queue_s=t.queue_s if t else None, prefill_compute_s=t.prefill_s if t else None,

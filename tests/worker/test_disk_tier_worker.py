@@ -76,3 +76,31 @@ def test_a_pools_disk_tier_reaches_each_worker_in_a_folder_of_its_own():
     assert engine_configs(args, 512)[0].disk_dir is None
     with pytest.raises(ConfigError, match="kv_disk_dir: the disk tier is not supported with tensor parallelism"):
         DeployConfig.from_dict({"decode": {"kv_disk_dir": "/var/kv", "tp_size": 2}})
+
+
+def test_prompt_tokens_brought_back_from_a_prefill_workers_disk_tier_are_reported_cached(tmp_path):
+    """1P+1D, pools too small to keep a prompt, the disk tier on the prefill worker: evicted
+    by others, the prompt comes back from the prefill worker's disk (computed nowhere), and
+    the answer's cached_prompt_tokens counts those tokens, whatever worker and tier held them."""
+    model = write_tiny_checkpoint(tmp_path / "tiny", "llama-gqa", seed=7)
+    common = ["--dtype", "float32", "--kv-blocks", "12", "--max-num-batched-tokens", "32"]
+    rng = random.Random(12)
+    prompt = random_prompt(rng, 80)  # 4 full blocks before its last token
+    others = [random_prompt(rng, 150) for _ in range(3)]  # 10 blocks each: each pool holds 12
+    p, d = start_workers([("prefill", [*common, "--kv-disk-dir", str(tmp_path / "p"), "--kv-disk-gib", "0.01"], {}),
+                          ("decode", common, {})], model, tmp_path, timeout_s=120)
+    try:
+        first = generate(d, prompt, 4, prefill=[p.address], ignore_eos=True)
+        assert first.usage.cached_prompt_tokens == 0
+        for other in others:
+            generate(d, other, 4, prefill=[p.address], ignore_eos=True)
+        wait_until(lambda: (_series(p, "pdserve_engine_kv_disk_entries") or 0) >= 4, 30,
+                   "the prompt's blocks on the prefill worker's disk")
+        again = generate(d, prompt, 4, prefill=[p.address], ignore_eos=True)
+        assert again.tokens == first.tokens
+        assert _series(p, 'pdserve_engine_prefix_tier_tokens_total{tier="disk"}') == 4 * BLOCK  # from its disk
+        assert again.usage.cached_prompt_tokens == 4 * BLOCK, again.usage
+        assert_idle(p, d)
+    finally:
+        p.stop()
+        d.stop()
