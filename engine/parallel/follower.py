@@ -66,6 +66,7 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
     torch.set_num_threads(num_threads)
     size = config.tensor_parallel_size
     device = rank_device(config.device, rank)
+    plans.send("started")  # imported and running: rank 0 joins the group only once every rank says so
     join_group(rendezvous, size, rank, config.device)
     try:
         layout = TensorParallelLayout.of(config.model, size, rank)

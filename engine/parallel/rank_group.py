@@ -12,8 +12,10 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -103,11 +105,72 @@ class RankGroup:
             theirs.close()
             self._pipes.append(ours)
             self._procs.append(proc)
+        deadline = time.monotonic() + READY_S
+        self._expect("started", deadline)  # each rank imported and running: else it says why here
         threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True).start()
-        join_group(rendezvous, size, 0, config.device)
-        for rank, pipe in enumerate(self._pipes, start=1):
-            if not pipe.poll(READY_S) or pipe.recv() != "ready":
+        self._join(rendezvous, size, config.device, deadline)
+        self._expect("ready", deadline)
+
+    def _expect(self, word: str, deadline: float) -> None:
+        """Every follower's `word` on its pipe, or an error naming the first that ended
+        instead (or was silent past `deadline`): never a wait on a rank that is gone."""
+        waiting = {pipe: rank for rank, pipe in enumerate(self._pipes, start=1)}
+        ended = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        while waiting:
+            left = deadline - time.monotonic()
+            ready = wait([*waiting, *ended], timeout=max(0.0, left))
+            if not ready:
+                rank = min(waiting.values())
                 raise RuntimeError(f"tensor-parallel rank {rank} did not start within {READY_S} s")
+            for obj in ready:
+                if obj in waiting:
+                    rank = waiting.pop(obj)
+                    try:
+                        got = obj.recv()
+                    except EOFError:
+                        got = None
+                    if got != word:
+                        raise self._lost_at_start(rank, word)
+            for sentinel, rank in ended.items():  # after the pipes: a rank that said its word, then ended, is seen
+                if sentinel in ready and any(r == rank for r in waiting.values()):
+                    raise self._lost_at_start(rank, word)
+
+    def _join(self, rendezvous: str, size: int, device: str, deadline: float) -> None:
+        """Rank 0's place in the process group, given up as soon as a follower ends (the
+        group's rendezvous would otherwise wait for it until its own timeout)."""
+        failure: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                join_group(rendezvous, size, 0, device)
+            except BaseException as e:  # handed to the caller
+                failure.append(e)
+
+        joining = threading.Thread(target=join, name="tp-join", daemon=True)
+        joining.start()
+        ended = {proc.sentinel: rank for rank, proc in enumerate(self._procs, start=1)}
+        while joining.is_alive():
+            gone = wait(list(ended), timeout=0.05)
+            if gone:
+                raise self._lost_at_start(ended[gone[0]], "ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not form a group within {READY_S} s")
+        if failure:
+            raise failure[0]
+
+    def _lost_at_start(self, rank: int, word: str) -> RuntimeError:
+        proc = self._procs[rank - 1]
+        proc.join(1.0)
+        why = f"tensor-parallel rank {rank} (pid {proc.pid}) ended with exit code {proc.exitcode} before it was {word}"
+        main = sys.modules.get("__main__")
+        if word == "started" and getattr(main, "__file__", None):
+            why += (f". Each rank is a new process that imports the main module ({main.__file__}) again first: "
+                    "a script that builds an engine with tensor_parallel_size > 1 at module level must build it "
+                    "under `if __name__ == \"__main__\":`, or every rank tries to start the group again and fails "
+                    "(its error is above)")
+        else:
+            why += " (its error is above)"
+        return RuntimeError(why)
 
     @property
     def pids(self) -> list[int]:

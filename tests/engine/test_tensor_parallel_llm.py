@@ -6,10 +6,16 @@ heads do not allow is refused before any process starts."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
+from bench.harness.worker_procs import REPO
 from common.sampling_params import SamplingParams
 from engine import LLM
 from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, UnsupportedModelError
@@ -99,6 +105,20 @@ def test_a_killed_rank_fails_the_next_step_instead_of_hanging_it(tmp_path):
             engine.step()
     finally:
         engine.close()
+
+
+def test_a_script_that_builds_a_tp_engine_at_module_level_fails_at_once_naming_the_idiom(smollm2_dir, tmp_path):
+    """Each rank is a spawned process that imports the main module first: at module level,
+    the script's LLM(...) runs again in every rank, which dies at import. Rank 0 says so and
+    how to fix it, instead of waiting in the group's rendezvous for ranks that are gone."""
+    script = tmp_path / "offline.py"
+    script.write_text(f"from engine import LLM\nllm = LLM(model={str(smollm2_dir)!r}, dtype='float32', "
+                      "num_kv_blocks=16, tensor_parallel_size=3)\nprint('built')\n")
+    ran = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert ran.returncode != 0 and "built" not in ran.stdout, (ran.stdout, ran.stderr[-3000:])
+    named = re.search(r"tensor-parallel rank \d \(pid \d+\) ended", ran.stderr)
+    assert named and 'if __name__ == "__main__":' in ran.stderr, ran.stderr[-3000:]
 
 
 def test_every_rank_records_its_steps_and_its_time_in_collectives(tmp_path):
