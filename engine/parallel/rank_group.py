@@ -200,6 +200,22 @@ class RankGroup:
         if self.on_lost is not None:
             self.on_lost(self.lost)
 
+    def fail(self, reason: str) -> None:
+        """A step failed on rank 0 after its plan went out: the followers may be inside that
+        step's collectives, and rank 0's next step would pair with them one step behind. The
+        group is over: the followers are killed, `lost` says why, and `on_lost` hears it (a
+        worker ends itself there and is replaced as a whole); without it every later step
+        fails with the reason."""
+        if self.lost is None:
+            self.lost = reason
+        log.error("tensor-parallel %s: ending the group", reason)
+        self._closing.set()  # the followers ending from here on were ended, not lost
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        if self.on_lost is not None:
+            self.on_lost(self.lost)
+
     def close(self) -> None:
         """Stop the followers (bounded; killed past it) and leave the process group."""
         self._closer()
@@ -251,7 +267,11 @@ class LeaderRunner(ModelRunner):
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.ranks.send(StepPlan.of(out))
-        return super().execute(out)
+        try:
+            return super().execute(out)
+        except Exception as e:  # after the plan went out: the ranks are no longer in step
+            self.ranks.fail(f"rank 0's step failed ({type(e).__name__}: {e})")
+            raise
 
     def forward(self, step: PreparedStep) -> torch.Tensor | None:
         return self.ranks.clocks.timed(0, self.model.collectives, partial(ModelRunner.forward, self, step),

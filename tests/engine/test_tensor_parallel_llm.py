@@ -107,6 +107,31 @@ def test_a_killed_rank_fails_the_next_step_instead_of_hanging_it(tmp_path):
         engine.close()
 
 
+def test_a_step_that_fails_on_rank_0_alone_ends_the_group(tmp_path):
+    """Rank 0's step fails after its plan went out (the followers are in its collectives):
+    the group is over at once, its followers killed, and every later step fails naming why,
+    instead of rank 0's next step pairing with the followers' collectives one step behind."""
+    folder = write_tiny_checkpoint(tmp_path / "llama-gqa", "llama-gqa", seed=5)
+    engine = _engine(folder, 2)
+    prepare = engine.runner.prepare
+    try:
+        def fails_once(out):
+            engine.runner.prepare = prepare
+            raise ValueError("injected on rank 0 alone")
+
+        engine.runner.prepare = fails_once
+        engine.add_request("r0", _prompts()[0], SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(ValueError, match="injected"):
+            engine.step()
+        follower = engine.ranks._procs[0]
+        follower.join(30)
+        assert follower.exitcode is not None, "the follower was left in the failed step's collectives"
+        with pytest.raises(RuntimeError, match="rank 0's step failed .*injected on rank 0 alone"):
+            engine.step()
+    finally:
+        engine.close()
+
+
 def test_a_script_that_builds_a_tp_engine_at_module_level_fails_at_once_naming_the_idiom(smollm2_dir, tmp_path):
     """Each rank is a spawned process that imports the main module first: at module level,
     the script's LLM(...) runs again in every rank, which dies at import. Rank 0 says so and
