@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,11 +126,14 @@ def _straggler(window: list[RankTime]) -> tuple[int, str] | None:
 
 
 class StragglerWatch:
-    """Looks at a group's clocks now and then (each deep health check: a window per look)
-    and names a rank only once it was the straggler in STRAGGLER_WINDOWS windows in a row,
-    so one slow step (a page fault, a neighbour's burst) names nobody. A window with too few
-    steps (an idle worker) neither extends nor breaks a run; a window with no straggler
-    breaks it."""
+    """Looks at a group's clocks now and then (each deep health check) and names a rank
+    only once it was the straggler in STRAGGLER_WINDOWS windows in a row, so one slow step
+    (a page fault, a neighbour's burst) names nobody. A window is what ran since the last
+    window ended, and it ends only once it holds STRAGGLER_MIN_STEPS steps: a look before
+    that reads the verdict and leaves the window growing. So however many callers look (each
+    gateway process, the controller, a drain) and however slow the steps, the windows are
+    whole; a window with no straggler breaks a run. Thread-safe (health checks come on gRPC
+    threads)."""
 
     def __init__(self, clocks: RankClocks, windows: int = STRAGGLER_WINDOWS):
         self.clocks = clocks
@@ -137,14 +141,19 @@ class StragglerWatch:
         self._last = clocks.read()
         self._rank: int | None = None
         self._run = 0
+        self._lock = threading.Lock()
         self.verdict = ""  # the last named straggler's sentence, "" when none
 
     def look(self) -> str:
-        now = self.clocks.read()
-        window = [t.since(before) for t, before in zip(now, self._last)]
-        self._last = now
-        if min(t.steps for t in window) < STRAGGLER_MIN_STEPS:
-            return self.verdict
+        with self._lock:
+            now = self.clocks.read()
+            window = [t.since(before) for t, before in zip(now, self._last)]
+            if min(t.steps for t in window) < STRAGGLER_MIN_STEPS:
+                return self.verdict  # the window goes on: too few steps to judge yet
+            self._last = now
+            return self._judge(window)
+
+    def _judge(self, window: list[RankTime]) -> str:
         found = _straggler(window)
         rank, said = found if found else (None, "")
         self._run = self._run + 1 if rank is not None and rank == self._rank else int(rank is not None)

@@ -22,7 +22,7 @@ from engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from engine.llm_engine import LLMEngine
 from engine.parallel.follower import rank_device
 from engine.parallel.rank_group import RankGroup
-from engine.parallel.rank_clock import RankClocks, RankTime, StragglerWatch, straggler
+from engine.parallel.rank_clock import STRAGGLER_MIN_STEPS, RankClocks, RankTime, StragglerWatch, straggler
 from engine.step_buffers import StepLimits
 
 
@@ -190,6 +190,22 @@ def test_a_rank_is_named_only_once_it_was_the_straggler_in_three_windows_in_a_ro
     assert window(1, steps=3).endswith("in 3 windows in a row")  # an idle window changes nothing
     assert window(None) == ""  # an even window ends the run
     assert [window(0), window(1), window(1)] == ["", "", ""]  # another rank starts a run of its own
+
+
+def test_a_straggler_is_named_however_often_its_health_is_asked():
+    """A slow host (steps of 100-300 ms) with several callers asking deep health (each
+    gateway process, the controller): every look sees a few steps. The window grows until
+    it can judge instead of each look throwing its few steps away, so the slow rank is named."""
+    clocks = RankClocks(2)
+    watch = StragglerWatch(clocks)
+    verdicts = []
+    for _ in range(4 * STRAGGLER_MIN_STEPS):  # a look after every step
+        for r in (0, 1):
+            clocks.record(r, 0.300 if r == 1 else 0.150 + 0.150, 0.001 if r == 1 else 0.150)
+        verdicts.append(watch.look())
+    assert verdicts[-1].startswith("rank 1 computes 299.0 ms a step") and verdicts[-1].endswith("in 4 windows in a row")
+    third = 3 * STRAGGLER_MIN_STEPS - 1  # the look that ends the third whole window names it
+    assert verdicts[third - 1] == "" and verdicts[third].endswith("in 3 windows in a row"), verdicts[third]
 
 
 def test_cuda_ranks_take_a_device_each_and_too_few_devices_are_refused(tmp_path, monkeypatch):
