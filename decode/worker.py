@@ -83,6 +83,7 @@ class DecodeWorker(EngineLoop):
         self.agent = agent
         self.remote = RemotePrefills(agent, abort_bound_s, lambda: self.address) if agent is not None else None
         self.source = KVSource(agent, engine.block_size) if agent is not None else None
+        self._last_step: StepResult | None = None  # the last step that ran: its KV writes end before a pull
         self.kv_hand_off = kv_hand_off  # a hand-off keeps KV for the taker (False: the taker prefills)
         self.local_prefill_threshold = local_prefill_threshold
         self.prefill_timeout_s = prefill_timeout_s
@@ -214,6 +215,10 @@ class DecodeWorker(EngineLoop):
         draining too, which is when there is any. ValueError when it cannot be served."""
         if self.source is None:
             raise ValueError(f"request {req.request_id}: {self.name} has no transfer agent and keeps no KV")
+        # The blocks it pushes were written by steps up to the last: on a GPU that one may still
+        # be writing (a step that samples no row returns first), and the taker adopts what it reads.
+        if self._last_step is not None:
+            self._last_step.wait_kv_written()
         if req.prefix_only:
             self._pull_prefix(req, reply, timeout_s)
         else:
@@ -328,6 +333,7 @@ class DecodeWorker(EngineLoop):
         return bool(events) or bool(released)
 
     def on_step(self, result: StepResult) -> None:
+        self._last_step = result  # a pull waits for its KV writes (pull)
         for d in result.outputs:
             self._deliver(d.request_id, d.token_ids, d.finish_reason, d.logprobs, d.num_cached_tokens)
         self._flush()

@@ -29,7 +29,7 @@ from decode.remote_prefill_state import Phase
 from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.config import CacheConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, StepResult
 from rpc import pdserve_pb2 as pb
 from tests.transfer.fake_nixl import fake_agent
 from transfer.messages import Notification, NotifKind
@@ -444,3 +444,21 @@ def test_a_gpu_steps_kv_is_pushed_only_after_its_kernels(model, monkeypatch):
     while engine.has_unfinished() or worker.requests:
         worker.poll()
         worker.step()
+
+
+def test_a_pull_waits_for_the_last_steps_kv_writes_before_it_pushes(model, monkeypatch):
+    """A taker's pull (kept KV, or prompt blocks for a sibling) pushes blocks the steps wrote:
+    on a GPU the last step may still be writing them, so the pull waits for its KV writes
+    first, as a prefill worker does before its pushes (on CPU the wait is a no-op: here a
+    recorder stands in for the step's CUDA event)."""
+    engine = LLMEngine.from_folder(model, "float64", CacheConfig(BLOCK, 32), SchedulerConfig(BUDGET, 8, CONTEXT))
+    worker = DecodeWorker(engine, "decode-test", _BookkeepingAgent())
+    worker.add("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2), 0, [], Inbox(), 5.0)
+    order = []
+    worker.step()
+    monkeypatch.setattr(StepResult, "wait_kv_written", lambda result: order.append("written"))
+    monkeypatch.setattr(worker.source, "pull", lambda req, reply, timeout_s: order.append("kept KV pushed"))
+    monkeypatch.setattr(worker, "_pull_prefix", lambda req, reply, timeout_s: order.append("prefix pushed"))
+    worker.pull(pb.PrefillRequest(request_id="t1", kv_request_id="a"), Future(), 5.0)
+    worker.pull(pb.PrefillRequest(request_id="t2", prefix_only=True), Future(), 5.0)
+    assert order == ["written", "kept KV pushed", "written", "prefix pushed"]
