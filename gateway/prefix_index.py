@@ -28,6 +28,7 @@ DEFAULT_MAX_ENTRIES = 4_000_000  # (hash, worker) pairs: ~0.9 GiB at worst (benc
 class _Worker:
     name: str  # role-id-incarnation, as its Stats say
     cursor: int | None = None  # the last event applied (None: resync next time)
+    resync_after: bytes = b""  # mid-resync: the last hash of the page applied (worker/kv_event_log.py)
     hashes: set[bytes] = field(default_factory=set)
 
 
@@ -40,10 +41,11 @@ class PrefixIndex:
 
     # -- what the Stats rounds feed -----------------------------------------------------
 
-    def cursor(self, address: str) -> tuple[str, int] | None:
-        """(incarnation, last event applied) to ask the worker's Stats from; None: ask for all."""
+    def cursor(self, address: str) -> tuple[str, int, bytes] | None:
+        """(incarnation, last event applied, the last hash of a resync page applied or b"")
+        to ask the worker's Stats from; None: ask for all."""
         w = self._workers.get(address)
-        return None if w is None or w.cursor is None else (w.name, w.cursor)
+        return None if w is None or w.cursor is None else (w.name, w.cursor, w.resync_after)
 
     def apply(self, address: str, name: str, events: KVEventsSince) -> None:
         """A worker's answer: events after the cursor it was asked from, or its whole set."""
@@ -76,6 +78,7 @@ class PrefixIndex:
             self._holders.setdefault(h, set()).add(address)
         self.entries += len(added)
         w.cursor = events.last
+        w.resync_after = events.resync_after if events.more else b""
 
     def retain(self, addresses: Iterable[str]) -> None:
         """The membership: every other worker's entries go."""

@@ -19,6 +19,10 @@ from rpc.convert import kv_events_from_pb
 
 log = logging.getLogger(__name__)
 
+# A resync's pages asked for back to back in one round (a page is 65,536 blocks): past this
+# the rest follows in the next rounds.
+MAX_RESYNC_PAGES = 64
+
 
 class Readiness:
     def __init__(self, router: Router, backend: Backend, admission: Admission, interval_s: float):
@@ -46,7 +50,7 @@ class Readiness:
 
     async def observe(self) -> None:
         """Stats only (counters, no forward pass): routing's headroom and the gauges."""
-        self._observe_stats(*await self.shared("stats", self._stats_round))
+        await self.shared("stats", self._observe_round)
 
     async def worker_metrics(self) -> list[pb.MetricsResponse]:
         """Every answering worker's registry; concurrent scrapes share one round of calls."""
@@ -81,7 +85,7 @@ class Readiness:
         decode, prefill = list(router.decode), list(router.prefill)  # membership may change meanwhile
         decode_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in decode))
         prefill_h = await asyncio.gather(*(backend.health(w.address, deep=True) for w in prefill))
-        self._observe_stats(*await self._stats_round())
+        await self._observe_round()
         for w, h in zip(decode + prefill, decode_h + prefill_h):
             if w.healthy != h.ok:
                 log.info("worker %s is %s", w.address, "healthy again" if h.ok else f"failing deep health: {h.detail}")
@@ -93,15 +97,39 @@ class Readiness:
             self.ok, self.checked_at = ok, time.monotonic()
         return ok
 
+    async def _observe_round(self) -> dict[str, pb.StatsResponse | None]:
+        """A Stats round observed: routing's headroom, the gauges, the prefix index (the rest
+        of any resync too); returns the answers."""
+        asked, stats = await self._stats_round()
+        self._observe_stats(asked, stats)
+        await self._rest_of_resyncs(stats)
+        return stats
+
     async def _stats_round(self) -> tuple[float, dict[str, pb.StatsResponse | None]]:
         """Every worker's Stats, and when they were asked for (what they can have seen)."""
-        asked, index = time.monotonic(), self.router.index
-        requests = {}
-        for w in self.router.decode + self.router.prefill:  # each asks its prefix-cache events after its cursor
-            cursor = index.cursor(w.address)
-            requests[w.address] = (pb.StatsRequest(kv_events=True) if cursor is None else
-                                   pb.StatsRequest(kv_events=True, kv_events_of=cursor[0], kv_events_after=cursor[1]))
+        asked = time.monotonic()
+        requests = {w.address: self._stats_request(w.address) for w in self.router.decode + self.router.prefill}
         return asked, await self.backend.all_stats(requests)
+
+    def _stats_request(self, address: str) -> pb.StatsRequest:
+        """Stats with the prefix-cache events after this gateway's cursor for the worker."""
+        cursor = self.router.index.cursor(address)
+        return (pb.StatsRequest(kv_events=True) if cursor is None else
+                pb.StatsRequest(kv_events=True, kv_events_of=cursor[0], kv_events_after=cursor[1],
+                                kv_events_resync_after=cursor[2]))
+
+    async def _rest_of_resyncs(self, stats: dict[str, pb.StatsResponse | None]) -> None:
+        """A worker whose answer was a resync's page with more to come is asked again at once
+        for each next page (worker/kv_event_log.py), so its whole set arrives within the round,
+        each answer a page's size, however many blocks it caches."""
+        index = self.router.index
+        for address, s in stats.items():
+            for _ in range(MAX_RESYNC_PAGES):
+                if s is None or not s.HasField("kv_events") or not s.kv_events.more:
+                    break
+                s = await self.backend.stats(address, self._stats_request(address))
+                if s is not None and s.worker and s.HasField("kv_events"):
+                    index.apply(address, s.worker, kv_events_from_pb(s.kv_events))
 
     def _observe_stats(self, asked: float, stats: dict[str, pb.StatsResponse | None]) -> None:
         router = self.router

@@ -139,10 +139,20 @@ SERVER_KEEPALIVE = [("grpc.keepalive_permit_without_calls", 1),
                     ("grpc.http2.ping_timeout_ms", 5000)]
 
 
+# The largest message either side of an internal call takes (gRPC's own default receive
+# bound is 4 MiB): a merged StreamsDown of a step with many requests' top-logprobs, a Stats
+# page of the prefix cache's hashes (worker/kv_event_log.py pages a resync well under it).
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_LIMITS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                  ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = KEEPALIVE + MESSAGE_LIMITS  # every channel to a worker
+SERVER_OPTIONS = SERVER_KEEPALIVE + MESSAGE_LIMITS  # every worker's server
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to a worker that sends the internal token (if this process has one), once
     the worker has proved it holds it; else its first call raises proof.NotProven."""
-    ch = grpc.insecure_channel(address, options=KEEPALIVE)
+    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     token = internal_token()
     if not token:
         return ch
@@ -164,8 +174,8 @@ def prove(ch: grpc.Channel, timeout_s: float) -> None:
 def aio_channel(address: str) -> aio.Channel:
     token = internal_token()
     if not token:
-        return aio.insecure_channel(address, options=KEEPALIVE)
+        return aio.insecure_channel(address, options=CHANNEL_OPTIONS)
     check = proof.AioProof(token, address)
-    return aio.insecure_channel(address, options=KEEPALIVE,
+    return aio.insecure_channel(address, options=CHANNEL_OPTIONS,
                                 interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check),
                                               _AioBidiAuth(token, check)])

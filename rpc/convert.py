@@ -94,11 +94,12 @@ def stats_to_pb(worker: str, e: EngineStats, step_seconds: float, kv_blocks_tran
 
 
 def kv_events_to_pb(e: KVEventsSince) -> pb.KVEvents:
-    return pb.KVEvents(last=e.last, resync=e.resync, stored=e.stored, removed=e.removed)
+    return pb.KVEvents(last=e.last, resync=e.resync, stored=e.stored, removed=e.removed, more=e.more,
+                       resync_after=e.resync_after)
 
 
 def kv_events_from_pb(msg: pb.KVEvents) -> KVEventsSince:
-    return KVEventsSince(msg.last, msg.resync, list(msg.stored), list(msg.removed))
+    return KVEventsSince(msg.last, msg.resync, list(msg.stored), list(msg.removed), msg.more, msg.resync_after)
 
 
 def local_prefill_name(reason: int) -> str:

@@ -26,7 +26,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc import proof
-from rpc.auth import SERVER_KEEPALIVE, ServerAuth, internal_token, require_token_off_loopback
+from rpc.auth import SERVER_OPTIONS, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker import rank_metrics
 from worker.exit_codes import RANK_LOST
@@ -220,7 +220,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     threads = rpc_threads(worker.engine.config.scheduler)
     log.info("%s: %d gRPC threads", worker.name, threads)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rpc"),
-                         interceptors=[ServerAuth(token)] if token else None, options=SERVER_KEEPALIVE)
+                         interceptors=[ServerAuth(token)] if token else None, options=SERVER_OPTIONS)
     add_servicer(server)
     changes = RoleChanges(worker, _stop.wake) if role_changes else None
     pb_grpc.add_WorkerServicer_to_server(WorkerService(worker, changes), server)  # TransferInfo, Health, Stats...

@@ -48,7 +48,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         stats.max_waiting = sched.max_waiting or 0  # a worker process always bounds it (--max-waiting)
         if request.kv_events:  # a cursor of another incarnation means nothing here: a resync
             cursor = request.kv_events_after if request.kv_events_of == w.name else None
-            stats.kv_events.CopyFrom(kv_events_to_pb(w.kv_events.since(cursor)))
+            stats.kv_events.CopyFrom(kv_events_to_pb(w.kv_events.since(cursor, request.kv_events_resync_after)))
         return stats
 
     def Metrics(self, request: pb.MetricsRequest, context: grpc.ServicerContext) -> pb.MetricsResponse:

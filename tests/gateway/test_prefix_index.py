@@ -18,7 +18,7 @@ def test_longest_prefix_counts_leading_blocks_held_in_a_row():
     index.apply("b:1", "prefill-b-1", KVEventsSince(2, True, [HASHES[0], HASHES[2], HASHES[3]], []))
     assert index.longest_prefix(["a:1", "b:1"], HASHES) == {"a:1": 3, "b:1": 1}
     assert index.longest_prefix(["b:1"], HASHES) == {"b:1": 1}
-    assert index.cursor("a:1") == ("prefill-a-1", 5)
+    assert index.cursor("a:1") == ("prefill-a-1", 5, b"")
     index.apply("a:1", "prefill-a-1", KVEventsSince(7, False, [], [HASHES[1]]))
     assert index.longest_prefix(["a:1", "b:1"], HASHES) == {"a:1": 1, "b:1": 1}
     assert index.entries == 5
