@@ -1,13 +1,21 @@
 """The disk tier of a worker's prefix cache: KV blocks the pool evicts, kept in files on
 local disk and read back on a hit instead of recomputed (docs/engine.md, Disk tier).
 
-One file a block, named by its chained hash (common/block_hash.py: salted per tenant as the
-pool is), under a folder named by the compatibility key (`compatibility_key`: the model, its
-weights, the KV dtype and block shape), so another model's or dtype's blocks are never read:
+One file a block, under a folder named by the compatibility key (`compatibility_key`: the
+model, its weights, the KV dtype and block shape), so another model's or dtype's blocks are
+never read:
 
+    name     blake2b keyed with the tier's secret of the block's chained hash (common/block_hash.py,
+             salted per tenant as the pool is): a listing says nothing of whose prompts these are
     header   magic b"PDKV", version, block hash, dtype, ndim + 6 dims, payload length
-    checksum blake2b (16 bytes) of header + payload
+    checksum blake2b keyed with the secret (16 bytes) of header + payload: a block nobody with
+             the secret wrote fails it
     payload  the block's bytes, [num_layers, 2, block_size, kv_heads, head_dim]
+
+The folders are this user's alone (engine/private_folder.py: 0700, a folder someone else owns
+or may write is refused), the files 0600, and the secret (32 random bytes) a 0600 file in the
+tier's root made at its first open: a restarted worker on the same folder reads its blocks
+again, another local user can neither read which prompts were served nor plant a block.
 
 A file is written to a temporary name and renamed into place (a crash leaves no half file
 under a block's name). A file that fails its header or checksum check is deleted and
@@ -36,11 +44,13 @@ from typing import NamedTuple
 import torch
 
 from engine.config import ModelConfig
+from engine.private_folder import own_folder, own_secret
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2  # 2: keyed names and checksums
+SECRET_FILE = "secret"  # in the tier's root, beside the compatibility keys' folders
 SUFFIX = ".kvb"
 MAX_DIMS = 6
 # magic, version, block hash, dtype name, ndim, dims, payload length
@@ -97,8 +107,8 @@ class DiskTier:
                  queue_bytes: int = DEFAULT_QUEUE_BYTES) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes}: must be positive")
-        self.folder = Path(root) / key
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self._secret = own_secret(own_folder(Path(root)) / SECRET_FILE)
+        self.folder = own_folder(Path(root) / key)
         self.max_bytes = max_bytes
         self._pool: torch.Tensor | None = pool  # None once closed
         self._shape = tuple(pool.shape[1:])  # one block: [num_layers, 2, block_size, kv_heads, head_dim]
@@ -110,8 +120,9 @@ class DiskTier:
         self.file_bytes = _HEADER.size + _CHECKSUM_BYTES + self._payload_bytes
         self._read_buf = bytearray(self.file_bytes)  # the engine thread's, reused by every load
         self._lock = threading.Lock()  # the index, the pending copies, the counters
+        # both by file name (`_name`), not by block hash
         self._index: OrderedDict[bytes, None] = OrderedDict()  # head = least recently used
-        self._pending: dict[bytes, torch.Tensor] = {}  # copied out, not written yet
+        self._pending: dict[bytes, tuple[bytes, torch.Tensor]] = {}  # copied out, not written yet: (hash, block)
         self._written = self._loaded = self._corrupt = self._dropped = self._failed_writes = 0
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max(1, queue_bytes // self._payload_bytes))
         self._scan()
@@ -121,48 +132,51 @@ class DiskTier:
     # -- LowerTier ------------------------------------------------------------------------
 
     def save(self, block_hash: bytes, block_id: int) -> None:
+        name = self._name(block_hash)
         with self._lock:
-            if block_hash in self._index:  # kept already (it came from here): evicted again is a use
-                self._index.move_to_end(block_hash)
+            if name in self._index:  # kept already (it came from here): evicted again is a use
+                self._index.move_to_end(name)
                 return
-            if block_hash in self._pending:
+            if name in self._pending:
                 return
             if self._queue.full():  # only this thread puts: still full at put_nowait
                 self._dropped += 1
                 return
-            self._pending[block_hash] = self._pool[block_id].to("cpu", copy=True)
-        self._queue.put_nowait(block_hash)
+            self._pending[name] = (block_hash, self._pool[block_id].to("cpu", copy=True))
+        self._queue.put_nowait(name)
 
     def has(self, block_hash: bytes) -> bool:
+        name = self._name(block_hash)
         with self._lock:
-            return block_hash in self._index or block_hash in self._pending
+            return name in self._index or name in self._pending
 
     def load(self, block_hash: bytes, block_id: int) -> bool:
+        name = self._name(block_hash)
         with self._lock:
-            queued = self._pending.get(block_hash)
+            queued = self._pending.get(name)
             if queued is not None:
-                self._pool[block_id].copy_(queued)
+                self._pool[block_id].copy_(queued[1])
                 self._loaded += 1
                 return True
-            if block_hash not in self._index:
+            if name not in self._index:
                 return False
-            self._index.move_to_end(block_hash)
-        path = self._path(block_hash)
+            self._index.move_to_end(name)
+        path = self._path(name)
         try:  # outside the lock: the writer may evict it meanwhile (a miss then)
             with open(path, "rb") as f:
                 n = f.readinto(self._read_buf)
                 extra = f.read(1)
             os.utime(path)  # the LRU order survives a restart
         except FileNotFoundError:
-            self._forget(block_hash)
+            self._forget(name)
             return False
         except OSError as e:
             log.warning("disk tier: cannot read %s: %s", path, e)
-            self._forget(block_hash)
+            self._forget(name)
             return False
         problem = self._check(self._read_buf, n, extra, block_hash)
         if problem is not None:
-            self._drop_corrupt(path, block_hash, problem)
+            self._drop_corrupt(path, name, problem)
             return False
         src = torch.frombuffer(self._read_buf, dtype=torch.uint8, count=self._payload_bytes,
                                offset=_HEADER.size + _CHECKSUM_BYTES)
@@ -198,10 +212,14 @@ class DiskTier:
 
     def path_of(self, block_hash: bytes) -> Path:
         """The file a block is kept in (whether or not it is there)."""
-        return self._path(block_hash)
+        return self._path(self._name(block_hash))
 
-    def _path(self, block_hash: bytes) -> Path:
-        return self.folder / f"{block_hash.hex()}{SUFFIX}"
+    def _name(self, block_hash: bytes) -> bytes:
+        """A block's file name: its hash keyed with the secret (nothing to guess it by)."""
+        return hashlib.blake2b(block_hash, key=self._secret, digest_size=16).digest()
+
+    def _path(self, name: bytes) -> Path:
+        return self.folder / f"{name.hex()}{SUFFIX}"
 
     def _scan(self) -> None:
         """Rebuild the index from the folder, least recently used first (mtime); remove what
@@ -214,18 +232,18 @@ class DiskTier:
             if path.suffix != SUFFIX:
                 continue
             try:
-                block_hash = bytes.fromhex(path.stem)
+                name = bytes.fromhex(path.stem)
                 st = path.stat()
             except (ValueError, OSError):
                 continue
-            if len(block_hash) != 16:
+            if len(name) != 16:
                 continue
             if st.st_size != self.file_bytes:
-                self._drop_corrupt(path, block_hash, f"{st.st_size} bytes, not {self.file_bytes}")
+                self._drop_corrupt(path, name, f"{st.st_size} bytes, not {self.file_bytes}")
                 continue
-            found.append((st.st_mtime, block_hash))
-        for _, block_hash in sorted(found):
-            self._index[block_hash] = None
+            found.append((st.st_mtime, name))
+        for _, name in sorted(found):
+            self._index[name] = None
         victims = self._over_bound()
         for victim in victims:
             self._path(victim).unlink(missing_ok=True)
@@ -248,22 +266,22 @@ class DiskTier:
             name = dtype.rstrip(b"\0").decode(errors="replace")
             return f"a block of {name} {dims}, not {self._dtype} {self._shape}"
         view = memoryview(buf)
-        h = hashlib.blake2b(view[:_HEADER.size], digest_size=_CHECKSUM_BYTES)
+        h = hashlib.blake2b(view[:_HEADER.size], key=self._secret, digest_size=_CHECKSUM_BYTES)
         h.update(view[_HEADER.size + _CHECKSUM_BYTES:])
         if h.digest() != view[_HEADER.size:_HEADER.size + _CHECKSUM_BYTES]:
             return "checksum mismatch"
         return None
 
-    def _drop_corrupt(self, path: Path, block_hash: bytes, problem: str) -> None:
+    def _drop_corrupt(self, path: Path, name: bytes, problem: str) -> None:
         log.warning("disk tier: %s fails its check (%s): deleted, its block is recomputed", path.name, problem)
         path.unlink(missing_ok=True)
-        self._forget(block_hash)
+        self._forget(name)
         with self._lock:
             self._corrupt += 1
 
-    def _forget(self, block_hash: bytes) -> None:
+    def _forget(self, name: bytes) -> None:
         with self._lock:
-            self._index.pop(block_hash, None)
+            self._index.pop(name, None)
 
     def _over_bound(self) -> list[bytes]:
         """Take least recently used entries out of the index until it fits (lock held or
@@ -275,37 +293,37 @@ class DiskTier:
 
     def _write_loop(self) -> None:
         while True:
-            block_hash = self._queue.get()
+            name = self._queue.get()
             try:
-                if block_hash is None:
+                if name is None:
                     return
-                self._write_one(block_hash)
+                self._write_one(name)
             finally:
                 self._queue.task_done()
 
-    def _write_one(self, block_hash: bytes) -> None:
+    def _write_one(self, name: bytes) -> None:
         with self._lock:
-            block = self._pending.get(block_hash)
-        if block is None:
+            pending = self._pending.get(name)
+        if pending is None:
             return
         if self.file_bytes > self.max_bytes:  # one block over the bound: nothing can be kept
             with self._lock:
-                self._pending.pop(block_hash, None)
+                self._pending.pop(name, None)
             return
-        path = self._path(block_hash)
+        path = self._path(name)
         try:
-            self._write_file(path, block_hash, block)
+            self._write_file(path, *pending)
         except Exception as e:  # a full disk, or anything else: the writer goes on, the block is not kept
             with self._lock:
-                self._pending.pop(block_hash, None)
+                self._pending.pop(name, None)
                 self._failed_writes += 1
                 first = self._failed_writes == 1
             if first:
                 log.warning("disk tier: cannot write %s: %s (further failures counted only)", path, e)
             return
         with self._lock:
-            self._pending.pop(block_hash, None)
-            self._index[block_hash] = None
+            self._pending.pop(name, None)
+            self._index[name] = None
             self._written += 1
             victims = self._over_bound()
         for victim in victims:
@@ -317,11 +335,11 @@ class DiskTier:
         header = _HEADER.pack(MAGIC, VERSION, block_hash, self._dtype_name, len(self._shape), *dims,
                               self._payload_bytes)
         payload = block.contiguous().view(-1).view(torch.uint8).numpy()
-        h = hashlib.blake2b(header, digest_size=_CHECKSUM_BYTES)
+        h = hashlib.blake2b(header, key=self._secret, digest_size=_CHECKSUM_BYTES)
         h.update(payload)
         tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "wb") as f:
                 f.write(header)
                 f.write(h.digest())
                 f.write(payload)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -24,11 +25,12 @@ from common.parent_watch import watch_parent
 from common.tokenizer import Tokenizer
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.private_folder import UnsafeFolder
 from rpc import pdserve_pb2_grpc as pb_grpc
 from rpc import proof
 from rpc.auth import SERVER_OPTIONS, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
-from worker import rank_metrics
+from worker import kv_disk_folders, rank_metrics
 from worker.exit_codes import RANK_LOST
 from worker.liveness import DEFAULT_STALL_FLOOR_S
 from worker.loop import EngineLoop
@@ -86,6 +88,7 @@ def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     path = resolve_model(args.model)
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
     cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
+    claim_disk_tier(args, cache)
     engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size,
                                    share_rank_pools=not args.no_transfer,  # its agent registers every rank's pool
                                    device=args.device)
@@ -119,6 +122,19 @@ def engine_configs(args: argparse.Namespace, model_len: int) -> tuple[CacheConfi
     return (CacheConfig(args.block_size, args.kv_blocks, args.kv_memory_gib, disk_dir=disk_dir,
                         disk_bytes=int(args.kv_disk_gib * 2**30)),
             SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, model_len, args.max_waiting))
+
+
+def claim_disk_tier(args: argparse.Namespace, cache: CacheConfig) -> None:
+    """The worker's disk tier folder made its own for its life, and the folders of workers
+    gone from this node reclaimed (worker/kv_disk_folders.py); a folder it may not use ends
+    the process naming why."""
+    if cache.disk_dir is None:
+        return
+    try:
+        kv_disk_folders.claim(Path(cache.disk_dir))
+    except (kv_disk_folders.InUse, UnsafeFolder) as e:
+        raise SystemExit(f"--kv-disk-dir: {e}") from None
+    kv_disk_folders.reclaim(Path(args.kv_disk_dir), cache.disk_bytes, time.time())
 
 
 def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: str) -> TransferAgent | None:
@@ -184,7 +200,9 @@ def main(roles: dict[str, Role], role: str, argv: list[str] | None = None) -> No
         old, role = serving.worker.engine, change.role
         del serving  # the old role's loop, agent and servicers: its KV pool goes with them
         gc.collect()
-        engine = old.over_weights_of(*engine_configs(args, old.config.model.max_model_len))
+        configs = engine_configs(args, old.config.model.max_model_len)
+        claim_disk_tier(args, configs[0])
+        engine = old.over_weights_of(*configs)
 
 
 class _Stop:

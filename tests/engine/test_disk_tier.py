@@ -16,6 +16,7 @@ from common.block_hash import block_hashes
 from common.sampling_params import SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
 from engine.disk_tier import DiskTier
+from engine.private_folder import UnsafeFolder
 from engine.kv_cache_manager import KVCacheManager
 from engine.llm_engine import LLMEngine
 
@@ -310,3 +311,49 @@ def test_a_tensor_parallel_engine_refuses_the_tier(model, tmp_path):
     with pytest.raises(ValueError, match="disk tier .* not supported with tensor parallelism"):
         LLMEngine.from_folder(model, "float32", CacheConfig(num_blocks=12, disk_dir=str(tmp_path)),
                               tensor_parallel_size=2)
+
+
+# ------------------------------------------------------------------- who may read and plant
+
+def test_folders_and_files_are_private_and_names_say_nothing_of_the_block(tmp_path):
+    root = tmp_path / "kv"
+    tier = DiskTier(root, "k", random_pool(torch.float32), 1 << 20)
+    tier.save(h(1), 1)
+    tier.flush()
+    for folder in (root, root / "k"):
+        assert folder.stat().st_mode & 0o777 == 0o700, oct(folder.stat().st_mode)
+    files = list((root / "k").iterdir())
+    assert [f.stat().st_mode & 0o777 for f in files] == [0o600] and (root / "secret").stat().st_mode & 0o777 == 0o600
+    assert files[0].stem != h(1).hex()  # a tenant's salted hash cannot be looked for by name
+    tier.close()
+
+
+@pytest.mark.parametrize("how", ["another user's", "group-writable"])
+def test_a_folder_someone_else_could_have_planted_is_refused(tmp_path, how, monkeypatch):
+    folder = tmp_path / "shared" / "decode-0"
+    folder.mkdir(parents=True, mode=0o700)
+    if how == "group-writable":
+        folder.chmod(0o775)
+    else:  # the folder is this process's, so to the tier's eyes another user made it
+        monkeypatch.setattr(os, "getuid", lambda: os.stat(folder).st_uid + 1)
+    with pytest.raises(UnsafeFolder, match="another user made it first" if how == "another user's" else
+                       "writable by others"):
+        DiskTier(folder, "k", random_pool(torch.float32), 1 << 20)
+
+
+def test_a_block_written_without_the_secret_is_never_served(tmp_path):
+    """A forged file under the right name (an attacker who could write there, or another
+    deployment's tier): its checksum is not keyed with this tier's secret, so it fails."""
+    pool = random_pool(torch.float32)
+    other = DiskTier(tmp_path / "other", "k", pool, 1 << 20)
+    other.save(h(1), 1)
+    other.close()
+    tier = DiskTier(tmp_path / "mine", "k", torch.zeros_like(pool), 1 << 20)
+    forged = tier.path_of(h(1))
+    forged.write_bytes(other.path_of(h(1)).read_bytes())
+    tier.close()
+    mine = torch.zeros_like(pool)
+    again = DiskTier(tmp_path / "mine", "k", mine, 1 << 20)
+    assert again.has(h(1)) and not again.load(h(1), 0)
+    assert again.stats().corrupt == 1 and not forged.exists() and torch.count_nonzero(mine[0]) == 0
+    again.close()

@@ -6,16 +6,23 @@ greedy tokens as the first time."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from bench.harness.tiny_models import write_tiny_checkpoint
-from bench.harness.worker_procs import start_workers, wait_until
+from bench.harness.worker_procs import REPO, start_workers, wait_until
 from common.block_hash import block_hashes
 from deploy.config import ConfigError, DeployConfig, PoolConfig
 from rpc import pdserve_pb2 as pb
+from worker import kv_disk_folders
 from tests.worker.grpc_calls import assert_idle, generate, random_prompt
 from worker.process import engine_configs, worker_arguments
 
@@ -43,8 +50,11 @@ def test_a_restarted_worker_serves_an_evicted_prefix_from_disk(tmp_path):
         assert first.usage.cached_prompt_tokens == 0
         for p in others:
             generate(d, p, 8, ignore_eos=True)
-        files = [f"{x.hex()}.kvb" for x in block_hashes(prompt, BLOCK)[:4]]
-        # the worker's own folder (by role and id), then the model's compatibility key
+        # the worker's own folder (by role and id), then the model's compatibility key; each
+        # file named by its block's hash keyed with the tier's secret (engine/disk_tier.py)
+        secret = (disk / "decode-5" / "secret").read_bytes()
+        files = [f"{hashlib.blake2b(x, key=secret, digest_size=16).hexdigest()}.kvb"
+                 for x in block_hashes(prompt, BLOCK)[:4]]
         wait_until(lambda: all(any((disk / "decode-5").glob(f"*/{f}")) for f in files), 30,
                    "the prompt's blocks written to the disk tier")
         assert _series(d, "pdserve_engine_kv_disk_entries") >= 4
@@ -104,3 +114,39 @@ def test_prompt_tokens_brought_back_from_a_prefill_workers_disk_tier_are_reporte
     finally:
         p.stop()
         d.stop()
+
+
+def test_gone_workers_folders_are_reclaimed_and_running_ones_kept(tmp_path):
+    """A planner moving workers leaves a folder per worker id: a worker's start removes
+    those no process holds, the least recently used first, down to one worker's bound, and
+    any unused for an hour; a running worker's folder (its lock held) is never touched."""
+    root = tmp_path / "kv"
+    now = time.time()
+
+    def folder(name: str, size: int, age_s: float) -> Path:
+        f = root / name / "key"
+        f.mkdir(parents=True, mode=0o700)
+        (f / "block.kvb").write_bytes(b"x" * size)
+        for p in (f / "block.kvb", f, f.parent):
+            os.utime(p, (now - age_s, now - age_s))
+        return f.parent
+
+    old, older, recent = folder("decode-1", 100, 60), folder("prefill-2", 100, 120), folder("decode-3", 100, 10)
+    stale = folder("decode-4", 10, 2 * kv_disk_folders.RECLAIM_UNUSED_S)
+    running = folder("decode-5", 1000, 300)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from worker import kv_disk_folders as k; "
+                               f"k.claim(__import__('pathlib').Path({str(running)!r})); print('held', flush=True); "
+                               "sys.stdin.read()"], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        kv_disk_folders.claim(root / "decode-9")  # this worker's own
+        removed = kv_disk_folders.reclaim(root, keep_bytes=250, now=now)
+        assert sorted(g.path.name for g in removed) == ["decode-4", "prefill-2"]  # stale, then the LRU past 250
+        assert old.exists() and recent.exists() and running.exists() and (root / "decode-9").exists()
+        with pytest.raises(kv_disk_folders.InUse, match="in use by another running worker"):
+            kv_disk_folders.claim(running)
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    assert [g.path.name for g in kv_disk_folders.reclaim(root, keep_bytes=0, now=now)] == \
+        ["decode-1", "decode-3", "decode-5"]  # its holder ended: gone too (claimed last, so used last)
