@@ -140,6 +140,10 @@ class GatewaySettings:
     # Proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py): addresses or
     # networks, comma-separated, or "*"; "" (default): none, forwarding headers not believed.
     forwarded_allow_ips: str = ""
+    # TLS on the client port (gateway/tls.py): the certificate chain and its key, PEM files
+    # on the gateway's node; None: plain HTTP (put a TLS proxy in front: docs/deploy.md).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.host), "host", "must not be empty")
@@ -157,6 +161,8 @@ class GatewaySettings:
             TrustedProxies(self.forwarded_allow_ips)
         except ValueError as e:
             _require(False, "forwarded_allow_ips", str(e).removeprefix("--forwarded-allow-ips: "))
+        _require(self.ssl_certfile is not None or self.ssl_keyfile is None, "ssl_keyfile",
+                 "needs ssl_certfile (the certificate chain, PEM)")
 
     def args(self) -> list[str]:
         """Flags for `python -m gateway` (the launcher adds --model and the worker addresses)."""
@@ -185,6 +191,10 @@ class GatewaySettings:
             args += ["--response-store-ttl", str(self.response_store_ttl_s)]
         if self.forwarded_allow_ips:
             args += ["--forwarded-allow-ips", self.forwarded_allow_ips]
+        if self.ssl_certfile is not None:
+            args += ["--ssl-certfile", self.ssl_certfile]
+        if self.ssl_keyfile is not None:
+            args += ["--ssl-keyfile", self.ssl_keyfile]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

@@ -9,7 +9,9 @@ worker lists; the next round's push gives them back.
 
 from __future__ import annotations
 
+import functools
 import logging
+import ssl
 import time
 import urllib.request
 from collections.abc import Callable
@@ -21,6 +23,17 @@ from deploy.config import DeployConfig
 from deploy.hosts import GatewayHost
 
 log = logging.getLogger(__name__)
+
+
+def gateway_tls_context(certfile: str | None) -> ssl.SSLContext | None:
+    """A context trusting the gateway's own certificate (None: plain HTTP); the host name
+    is not checked, since the controller dials the gateway's node-local address."""
+    if not certfile:
+        return None
+    ctx = ssl.create_default_context(cafile=certfile)
+    ctx.check_hostname = False
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # a CA-issued certificate is its own anchor here
+    return ctx
 
 
 class GatewayLink:
@@ -36,7 +49,13 @@ class GatewayLink:
     def url(self) -> str:
         g = self.config.gateway
         host = "127.0.0.1" if g.host in ("0.0.0.0", "::", "") else g.host
-        return f"http://{host}:{g.port}"
+        return f"{'https' if g.ssl_certfile else 'http'}://{host}:{g.port}"
+
+    @functools.cached_property
+    def tls(self) -> ssl.SSLContext | None:
+        """How the controller (on the gateway's node) checks a TLS gateway: against its own
+        certificate, whose names are the public host's, not the address dialled here."""
+        return gateway_tls_context(self.config.gateway.ssl_certfile)
 
     def start(self, driver_node: str, admin_token: str, log_dir: str, env: dict[str, str]) -> None:
         strategy = NodeAffinitySchedulingStrategy(driver_node, soft=False)  # where the user reaches it
@@ -51,7 +70,7 @@ class GatewayLink:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2, context=self.tls) as resp:
                     if resp.status == 200:
                         return
             except OSError:

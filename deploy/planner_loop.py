@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ class PlannerLoop:
     scale: Callable[[int, int], object]  # (prefill, decode): blocks until the move is done
     event: Callable[[str], None]  # the controller's event log
     stopping: threading.Event
+    gateway_tls: ssl.SSLContext | None = None  # how to check a TLS gateway (deploy/gateway_link.py)
     last_plan: str = ""  # the planner's last decision, for status
 
     def run(self) -> None:
@@ -45,7 +47,7 @@ class PlannerLoop:
         start, start_at, changed_at = None, 0.0, -math.inf
         while not self.stopping.wait(cfg.interval_s):
             try:
-                now, counters = time.monotonic(), scrape(self.gateway_url())
+                now, counters = time.monotonic(), scrape(self.gateway_url(), context=self.gateway_tls)
                 if start is None or counters.requests < start.requests:  # first read, or a restarted gateway
                     start, start_at = counters, now
                     continue
@@ -65,7 +67,7 @@ class PlannerLoop:
                     self.event(f"planner: {decision.reason}; moving to {decision.target}")
                     self.scale(decision.target.prefill, decision.target.decode)
                     changed_at = time.monotonic()
-                start, start_at = scrape(self.gateway_url()), time.monotonic()  # windows never span a change
+                start, start_at = scrape(self.gateway_url(), context=self.gateway_tls), time.monotonic()  # windows never span a change
             except Exception as e:  # never let the loop die; the next window tries again
                 log.exception("planner round failed")
                 self.event(f"planner: round failed: {e}")

@@ -27,6 +27,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from common import envs  # noqa: E402
 from deploy.config import ConfigError, DeployConfig  # noqa: E402
+from gateway import tls  # noqa: E402
 
 CONTROLLER, NAMESPACE = "pdserve-controller", "pdserve"
 
@@ -49,6 +50,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                             "against")
     serve.add_argument("--host", help="gateway address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="gateway port (default 8000)")
+    serve.add_argument("--ssl-certfile", help="serve the gateway over TLS with this certificate chain (PEM; "
+                       "YAML gateway.ssl_certfile): every gateway process, plain HTTP refused on its port")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM; YAML gateway.ssl_keyfile)")
     serve.add_argument("--gateways", type=int, help="gateway processes on that port (default 1; "
                        "YAML gateway.processes): one per event loop, tenant limits and /metrics across them")
     serve.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else an embedded one)")
@@ -103,7 +107,15 @@ def load_config(args: argparse.Namespace) -> DeployConfig:
                                    decode_tp_size=args.decode_tp, host=args.host, port=args.port,
                                    processes=args.gateways, prefix_routing=args.prefix_routing,
                                    prefill_kv_disk_dir=args.kv_disk_dir, decode_kv_disk_dir=args.kv_disk_dir,
-                                   prefill_kv_disk_gib=args.kv_disk_gib, decode_kv_disk_gib=args.kv_disk_gib)
+                                   prefill_kv_disk_gib=args.kv_disk_gib, decode_kv_disk_gib=args.kv_disk_gib,
+                                   ssl_certfile=_absolute(args.ssl_certfile), ssl_keyfile=_absolute(args.ssl_keyfile))
+    g = config.gateway
+    if g.ssl_certfile is not None:  # read here: a wrong file fails now, and actors get absolute paths
+        certfile, keyfile = _absolute(g.ssl_certfile), _absolute(g.ssl_keyfile)
+        refusal = tls.check_files(certfile, keyfile)
+        if refusal:
+            raise ConfigError(f"gateway.ssl_certfile/ssl_keyfile: {refusal}")
+        config = config.with_overrides(ssl_certfile=certfile, ssl_keyfile=keyfile)
     if config.planner.enabled:  # read here: a bad profile fails now, and actors get an absolute path
         from deploy.planner.profile import Profile
 
@@ -115,6 +127,10 @@ def load_config(args: argparse.Namespace) -> DeployConfig:
         data["planner"]["profile"] = os.path.abspath(config.planner.profile)
         config = DeployConfig.from_dict(data, args.config or "<flags>")
     return config
+
+
+def _absolute(path: str | None) -> str | None:
+    return os.path.abspath(path) if path else None
 
 
 def run_serve(args: argparse.Namespace) -> int:

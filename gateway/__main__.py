@@ -24,7 +24,7 @@ import uvicorn
 from common import envs, trace
 from common.model_source import resolve_model
 from common.parent_watch import watch_parent
-from gateway import admin_listener, metrics, processes
+from gateway import admin_listener, metrics, processes, tls
 from gateway.app import GatewayConfig, create_app
 from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
 from gateway.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
@@ -66,6 +66,10 @@ def main() -> None:
                     help="stalled connections one client address may have: still sending a request (head or body) "
                          f"{STALL_GRACE_S:g} s after it began; past it one more gets a JSON 429 and is closed "
                          "(default: a quarter of --max-connections). Fast requests never count")
+    ap.add_argument("--ssl-certfile", default=None,
+                    help="serve the client port over TLS alone with this certificate chain (PEM; plain HTTP is "
+                         "refused there); the admin socket stays plain on loopback")
+    ap.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM)")
     ap.add_argument("--forwarded-allow-ips", default="",
                     help="proxies (addresses or networks, comma-separated, or '*') whose X-Forwarded-For names the "
                          "client: the per-address cap and /metrics access then go by that address (default: none, "
@@ -114,6 +118,9 @@ def main() -> None:
         per_ip = max(1, args.max_connections // 4)
     if per_ip < 1:
         ap.error("--max-connections-per-ip must be >= 1")
+    tls_refusal = tls.check_files(args.ssl_certfile, args.ssl_keyfile)
+    if tls_refusal:
+        ap.error(tls_refusal)
     try:
         proxies = TrustedProxies(args.forwarded_allow_ips)
     except ValueError as e:
@@ -170,17 +177,17 @@ def main() -> None:
     app = create_app(config)
     if shared is not None and admin is not None:  # a push one process takes reaches the others
         app = SharedMembership(app, shared.membership, admin_port, admin_token)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           http=with_head_timeout(args.header_timeout, per_ip, proxies),
-                                           loop="asyncio", proxy_headers=False,
-                                           limit_concurrency=args.max_connections, timeout_keep_alive=KEEP_ALIVE_S,
-                                           h11_max_incomplete_event_size=16384))
-    sockets = [socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else server.config.bind_socket()]
-    if admin is not None:
-        sockets.append(admin)
-        if shared is None:  # the front process says it for its children
-            print(f"admin on {admin_listener.HOST}:{admin_port}", file=sys.stderr, flush=True)
-    server.run(sockets=sockets)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            http=with_head_timeout(args.header_timeout, per_ip, proxies),
+                            loop="asyncio", proxy_headers=False, ssl_certfile=args.ssl_certfile,
+                            ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.max_connections,
+                            timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=16384)
+    # the client port (TLS when asked), and the admin socket beside it, plain on loopback
+    server = tls.Server(config, plain=[admin] if admin is not None else [])
+    client = socket.socket(fileno=args.listen_fd) if args.listen_fd is not None else config.bind_socket()
+    if admin is not None and shared is None:  # the front process says it for its children
+        print(f"admin on {admin_listener.HOST}:{admin_port}", file=sys.stderr, flush=True)
+    server.run(sockets=[client])
 
 
 def _front(args: argparse.Namespace, admin_token: str | None) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import ssl
 import statistics
 import urllib.request
 from dataclasses import dataclass, field
@@ -119,8 +120,9 @@ def sample_lengths(hist: dict[float, float], mean: float, n: int, rng: random.Ra
     return [max(1, round(x * scale)) for x in drawn]
 
 
-def scrape(gateway_url: str, timeout_s: float = 5.0) -> Counters:
-    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=timeout_s) as resp:
+def scrape(gateway_url: str, timeout_s: float = 5.0, context: ssl.SSLContext | None = None) -> Counters:
+    """The gateway's counters (`context`: how to check a TLS gateway)."""
+    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=timeout_s, context=context) as resp:
         return parse_metrics(resp.read().decode())
 
 

@@ -4,7 +4,9 @@ worker's three ranks as one placement group, the prefill worker pushes each prom
 into them (the answer's headers say so) and the greedy text equals one rank's; when one of
 its ranks is killed (kill -9) the whole worker is replaced: the stream in flight ends with
 an error event (never a hang), the old group's processes all end, and a new group serves
-again, with its KV again from the prefill worker."""
+again, with its KV again from the prefill worker. The deployment serves over TLS
+(`gateway.ssl_certfile`): the official openai client talks to it over https, as a client
+of the seed's front door would, and plain HTTP on its port is refused."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import signal
 
 import httpx
 import psutil
+import pytest
 from openai import OpenAI
 
+from bench.harness.certificates import self_signed
 from bench.harness.deploy_procs import CHAT, deployment_status, serving, wait_for
 from bench.harness.worker_procs import free_port
 from common.sampling_params import SamplingParams
@@ -30,20 +34,26 @@ def _ranks(worker_pid: int) -> list[psutil.Process]:
 def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_rank_dies(smollm2_dir, tmp_path):
     with LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=64) as one:
         want = one.chat(CHAT, SamplingParams(temperature=0, max_tokens=12))[0].text
+    cert, key = self_signed(tmp_path / "tls")
     config = tmp_path / "tp.yaml"
     config.write_text("dtype: float32\nprefill: {replicas: 1, kv_blocks: 256}\n"
-                      "decode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n")
+                      "decode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n"
+                      f"gateway: {{ssl_certfile: {cert}, ssl_keyfile: {key}}}\n")
     port = free_port()
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
+    url, log = f"https://127.0.0.1:{port}", tmp_path / "serve.log"
     with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4") as (_, address):
-        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        assert f"at {url}/v1" in log.read_text()
+        https = httpx.Client(verify=str(cert), timeout=120)
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, http_client=https)
         _assert_served_remotely(client, want)
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the port: refused
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
 
         (before,) = deployment_status(address)["pools"]["decode"]
         ranks = _ranks(before["pid"])
         assert len(ranks) == 2, [p.cmdline() for p in psutil.Process(before["pid"]).children()]
         body = {"model": "smollm2", "messages": CHAT, "max_tokens": 300, "stream": True, "logit_bias": {"2": -100}}
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
+        with https.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
             lines = (line for line in resp.iter_lines() if line.startswith("data: "))
             assert "error" not in next(lines)
             os.kill(ranks[1].pid, signal.SIGKILL)  # rank 2 of the group
