@@ -31,6 +31,7 @@ from gateway.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
 from gateway.metrics import SLO
 from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
+from gateway.retry_budget import RetryBudget
 from gateway.shared_membership import SharedMembership
 from gateway.tenant_table import TenantTable
 from gateway.tenants import Tenants
@@ -149,8 +150,11 @@ def main() -> None:
         tenants = Tenants.from_file(args.tenants) if args.tenants else Tenants()
     except (OSError, ValueError, TypeError) as e:  # a malformed file: say what, not a traceback
         ap.error(f"--tenants {args.tenants}: {e}")
-    if shared is not None:
-        tenants.share(TenantTable.open(shared.counts, len(tenants.all()), args.processes, args.process))
+    budget = RetryBudget()
+    if shared is not None:  # a row per tenant, then the retry budget's
+        table = TenantTable.open(shared.counts, len(tenants.all()) + 1, args.processes, args.process)
+        tenants.share(table)
+        budget.share(table.row(table.rows - 1))
     if tenants.open and not is_loopback(args.host):
         logging.getLogger("gateway").warning("serving on %s with no API keys (%s): anyone who reaches it can use it",
                                              args.host, OPT_IN_FLAG)
@@ -167,7 +171,8 @@ def main() -> None:
                            decode_streams=args.decode_streams, response_store_bytes=args.response_store_bytes,
                            response_store_ttl_s=args.response_store_ttl,
                            response_store_folder=shared.responses if shared is not None else None,
-                           processes=args.processes, prefix_routing=args.prefix_routing, trusted_proxies=proxies)
+                           processes=args.processes, prefix_routing=args.prefix_routing, trusted_proxies=proxies,
+                           retry_budget=budget)
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip

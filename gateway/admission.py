@@ -102,6 +102,14 @@ class Admission:
         seconds = span + missing_s
         return (self.window / seconds, tokens / seconds) if seconds > 0 else (math.inf, math.inf)
 
+    def drain_s(self) -> float:
+        """Seconds until what is queued now has its first tokens, at the measured rates (0
+        with nothing queued): when a refused client may find room (its Retry-After)."""
+        if not self._queued:
+            return 0.0
+        requests_s, tokens_s = self.rates()
+        return max(self.queued_requests / requests_s, self.queued_tokens / tokens_s)
+
     def predicted_ttft(self, prompt_tokens: int) -> float:
         requests_s, tokens_s = self.rates()
         return max((self.queued_requests + 1) / requests_s, self.queued_tokens / tokens_s)

@@ -49,7 +49,8 @@ from gateway.protocol import ChatCompletionRequest, CompletionRequest, Detokeniz
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
-from gateway.router import Router
+from gateway.retry_budget import RetryBudget
+from gateway.router import Router, WorkerState
 from gateway.tenants import Tenant, Tenants
 from gateway.trusted_proxies import SCOPE_KEY, ForwardedClient, Relay, TrustedProxies
 from gateway.tools import ToolPlan, render_messages
@@ -94,16 +95,19 @@ class GatewayConfig:
     prefix_routing: bool = True
     # The proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py); none by default.
     trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
+    # The gateway's own retries (gateway/retry_budget.py), shared with its other processes' (__main__).
+    retry_budget: RetryBudget = field(default_factory=RetryBudget)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
     tokenizer = Tokenizer.from_pretrained(config.model_path)
-    router = Router(config.decode, config.prefill, use_index=config.prefix_routing)
+    router = Router(config.decode, config.prefill, use_index=config.prefix_routing,
+                    breaker_cool_down_s=config.health_interval_s)
     config.tenants.follow_pool(router.decode_pool_size)  # tenants with no max_concurrent of their own
     backend = Backend(config.decode, config.prefill, per_request=config.decode_streams == "request")
     admission = Admission(config.max_ttft_s)
     readiness = Readiness(router, backend, admission, config.health_interval_s)
-    path = RequestPath(config, router, backend, admission, tokenizer)
+    path = RequestPath(config, router, backend, admission, tokenizer, config.retry_budget)
     # A lone process keeps stored responses in its memory, the processes of one gateway in their shared folder
     response_store = (MemoryStore(config.response_store_bytes, config.response_store_ttl_s)
                       if config.response_store_folder is None else
@@ -168,7 +172,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         @app.get("/admin/workers", include_in_schema=False)
         async def get_workers(request: Request) -> dict:
             _check_admin(request.headers.get("authorization"))
-            return {"decode": [vars(w) for w in router.decode], "prefill": [vars(w) for w in router.prefill]}
+            return {"decode": [_worker_view(w) for w in router.decode],
+                    "prefill": [_worker_view(w) for w in router.prefill]}
 
         @app.put("/admin/workers", include_in_schema=False)
         async def put_workers(members: Membership, request: Request) -> dict:
@@ -316,3 +321,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            "model", "model_not_found")
 
     return app
+
+
+def _worker_view(w: WorkerState) -> dict:
+    """What the admin side sees of a worker: its state as routing knows it, its breaker's by name."""
+    return {**{k: v for k, v in vars(w).items() if k != "breaker"}, "breaker": w.breaker.state.value}

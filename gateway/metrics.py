@@ -42,6 +42,13 @@ RETRIES = Counter("pdserve_decode_retries", "Requests sent to another decode wor
                   "worker)", ["when"])
 for _when in ("before_first_token", "mid_stream", "handed_off"):
     RETRIES.labels(_when)
+RETRY_BUDGET = Counter("pdserve_retry_budget", "The gateway's own retries against its retry budget "
+                       "(gateway/retry_budget.py), by kind (before_first_token, mid_stream, handed_off) and outcome: "
+                       "spent (retried) or refused (the budget was spent: the request ended with its failure)",
+                       ["kind", "outcome"])
+for _when in ("before_first_token", "mid_stream", "handed_off"):
+    for _outcome in ("spent", "refused"):
+        RETRY_BUDGET.labels(_when, _outcome)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")
 # Lengths of finished requests: the online planner replays their distribution, not their means.
@@ -88,6 +95,8 @@ WORKER_GAUGES = {
     "waiting_tokens": "Queued prompt tokens", "running_requests": "Running sequences",
     "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
     "prefix_index_blocks": "Cached blocks the gateway's prefix index holds for the worker (this process's index)",
+    "circuit_open": "1 while this gateway process's circuit breaker for the decode worker is open or half open "
+                    "(gateway/circuit_breaker.py): requests go elsewhere",
 }  # pdserve_worker_<name>{worker}: its help text
 
 
@@ -118,9 +127,11 @@ class WorkerGauges:
     def __init__(self):
         self.exported: set[str] = set()  # workers with series in the /metrics gauges
 
-    def export(self, stats: dict[str, pb.StatsResponse | None], index_blocks: dict[str, int]) -> None:
+    def export(self, stats: dict[str, pb.StatsResponse | None], index_blocks: dict[str, int],
+               circuit_open: dict[str, bool] | None = None) -> None:
         """Every answering worker's Stats into its gauges, with the blocks the prefix index
-        holds for it (by address); the series of the others removed."""
+        holds for it and whether its circuit breaker is open (both by address); the series of
+        the others removed."""
         series = _WORKER_SERIES.by_worker
         live = {(s.worker or address) for address, s in stats.items() if s is not None}
         for gone in self.exported - live:  # a replaced incarnation: its series end
@@ -133,10 +144,11 @@ class WorkerGauges:
                     "waiting_requests": s.waiting_requests, "waiting_tokens": s.waiting_tokens,
                     "running_requests": s.running_requests, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
                     "kv_blocks_transferred": s.kv_blocks_transferred,
-                    "prefix_index_blocks": index_blocks.get(address, 0)}
+                    "prefix_index_blocks": index_blocks.get(address, 0),
+                    "circuit_open": float((circuit_open or {}).get(address, False))}
 
 
-_OWN = (REQUESTS, TTFT, E2E, TPOT, REJECTIONS, RETRIES, PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_LENGTHS,
+_OWN = (REQUESTS, TTFT, E2E, TPOT, REJECTIONS, RETRIES, RETRY_BUDGET, PROMPT_TOKENS, COMPLETION_TOKENS, PROMPT_LENGTHS,
         OUTPUT_LENGTHS, SLO_REQUESTS, PREFIX_ROUTES, PREFIX_MATCHED_BLOCKS, PREFIX_SOURCES)  # every counter and histogram above
 
 

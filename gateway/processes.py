@@ -209,7 +209,8 @@ def make_folder(tenants_file: str | None, processes: int) -> tuple[SharedFolder,
             shutil.copyfile(tenants_file, folder.tenants)
             folder.tenants.chmod(0o600)
         tenants = Tenants.from_file(folder.tenants) if tenants_file else Tenants()
-        table = TenantTable.create(folder.counts, rows=len(tenants.all()), processes=processes)
+        # a row per tenant, then the retry budget's (gateway/retry_budget.py)
+        table = TenantTable.create(folder.counts, rows=len(tenants.all()) + 1, processes=processes)
     except BaseException:
         shutil.rmtree(folder.path, ignore_errors=True)
         raise

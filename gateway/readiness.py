@@ -147,4 +147,5 @@ class Readiness:
         prefilling = router.prefill or router.decode
         self.admission.observe_capacity(sum(s.prefill_tokens_per_s for w in prefilling
                                             if w.healthy and (s := stats.get(w.address)) is not None))
-        self.gauges.export(stats, {a: router.index.size(a) for a in stats})
+        self.gauges.export(stats, {a: router.index.size(a) for a in stats},
+                           {w.address: w.breaker.open for w in router.decode})

@@ -3,9 +3,10 @@ claims it holds while served, the decode worker it runs on (once more on another
 first fails before its first token), and its answer, streamed or whole, whose headers say
 how it was served (gateway/served.py).
 
-A request holds three claims: a slot in its tenant's limits, an admission ticket (what the
-TTFT prediction counts as queued) and its cost on its decode worker (what routing balances
-on). `Claims` takes them in that order and `release()` gives back whatever is held, once,
+A request holds four claims: a slot in its tenant's limits, an admission ticket (what the
+TTFT prediction counts as queued), its place in the retry budget (gateway/retry_budget.py)
+and its cost on its decode worker (what routing balances on). `Claims` takes them in that
+order and `release()` gives back whatever is held, once,
 on every path: a refusal, a failed start, the end of the answer, an error mid-stream, or a
 client that left at any moment (the response releases them when it ends, whether or not
 its body was ever read).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,6 +38,7 @@ from gateway.errors import APIError
 from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
+from gateway.retry_budget import RetryBudget
 from gateway.router import NoWorker, Router, WorkerState
 from gateway.served import Served
 from gateway.tenants import Tenant
@@ -74,15 +77,19 @@ class WorkerUnavailable(APIError):
 class Claims:
     """What one request holds while it is served; `release()` gives it all back, once."""
 
-    def __init__(self, tenant: Tenant, admission: Admission, cost: int, prompt_tokens: int, choices: int = 1):
+    def __init__(self, tenant: Tenant, admission: Admission, cost: int, prompt_tokens: int, choices: int = 1,
+                 budget: RetryBudget | None = None):
         self.tenant, self.admission, self.cost, self.prompt_tokens = tenant, admission, cost, prompt_tokens
         self.choices = choices  # sequences on the decode worker: each counts against the tenant's limit
+        self.budget = budget  # None: retries unbounded but per request
         self.ticket: Ticket | None = None
         self.worker: WorkerState | None = None
-        self._tenant_held = self._released = False
+        self.retried = False  # it counts in the retry budget as a retried request
+        self._tenant_held = self._budget_held = self._released = False
 
     def take(self, kv_room: bool) -> None:
-        """The tenant's slot, then an admission ticket; on a refusal (429) nothing is held."""
+        """The tenant's slot, then an admission ticket, then its place in the retry budget's
+        count; on a refusal (429) nothing is held."""
         self.tenant.admit(self.cost, self.choices)
         self._tenant_held = True
         try:
@@ -90,6 +97,17 @@ class Claims:
         except APIError:
             self.release()
             raise
+        if self.budget is not None:
+            self.budget.started()
+            self._budget_held = True
+
+    def retry(self, kind: str, required: bool = False) -> bool:
+        """Whether the request may be retried (the retry budget: once it was, its further
+        retries are its own); `required`: a hand-off, never refused."""
+        if self.retried or self.budget is None or not self._budget_held:
+            return True
+        self.retried = self.budget.retry(kind, required)
+        return self.retried
 
     def on(self, worker: WorkerState) -> None:
         """The request now counts on `worker` (its cost, and its prompt's KV until it ends)."""
@@ -118,6 +136,8 @@ class Claims:
         self.off(freed)
         if self._tenant_held:
             self.tenant.release(self.cost, self.choices)
+        if self._budget_held:
+            self.budget.ended(self.retried)
         if self.ticket is not None:
             self.admission.first_token(self.ticket, served=False)  # a no-op once it was served
 
@@ -144,9 +164,22 @@ class _ReleasingStream(StreamingResponse):
 class RequestPath:
     """Serves tokenized requests: `await path.serve(kind, body, prompt, tenant, request)`."""
 
-    def __init__(self, config, router: Router, backend: Backend, admission: Admission, tokenizer: Tokenizer):
+    def __init__(self, config, router: Router, backend: Backend, admission: Admission, tokenizer: Tokenizer,
+                 budget: RetryBudget | None = None):
         self.config, self.router, self.backend = config, router, backend
         self.admission, self.tokenizer = admission, tokenizer
+        self.budget = budget if budget is not None else RetryBudget()
+
+    def _measured_retry_after(self, e: APIError) -> None:
+        """A 429 or 503 says when to come back from what the gateway measures: the time its
+        queue takes to drain at the rate first tokens came (gateway/admission.py), or for no
+        decode worker at all, the time to its next look at the workers. A prediction that
+        already carries its own wait (predicted_ttft) keeps it."""
+        if e.status not in (429, 503) or e.reason == "predicted_ttft":
+            return
+        wait = self.config.health_interval_s if e.status == 503 and not self.router.decode else \
+            self.admission.drain_s()
+        e.headers = {**(e.headers or {}), "Retry-After": str(max(1, math.ceil(wait)))}
 
     def max_prompt(self) -> int:
         return max_prompt_tokens(self.config.max_model_len, self.config.max_prompt_tokens)
@@ -182,10 +215,11 @@ class RequestPath:
         deadline = started + self.call_deadline_s(req)
         call = None
         n = body.n  # parallel choices: one prefill, the rest start from the decode worker's prefix cache
-        claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt), n)
+        claims = Claims(tenant, self.admission, len(prompt) + n * params.max_tokens, len(prompt), n, self.budget)
         try:
             claims.take(kv_room=router.kv_room(len(prompt)))
         except APIError as e:
+            self._measured_retry_after(e)
             REQUESTS.labels(endpoint, str(e.status)).inc()
             trace.event(rid, "refused", status=e.status, reason=e.reason)
             raise
@@ -197,6 +231,7 @@ class RequestPath:
             except APIError as e:  # the decode worker's compile refused the schema: name the parameter
                 if e.status == 400 and ": grammar: " in e.message:
                     e.param = "tools" if tools is not None and tools.grammar is not None else "response_format"
+                self._measured_retry_after(e)
                 raise
         except ClientGone:  # before its first token: queueing and prefill stop at once
             REQUESTS.labels(endpoint, "cancelled").inc()
@@ -288,8 +323,9 @@ class RequestPath:
             calls: list[DecodeStream] = []
             try:
                 reopen = functools.partial(self._reopen, claims=claims, deadline=deadline)
-                calls.append(DecodeStream(req, worker.address, *await self._open(worker.address, req, deadline),
-                                          reopen))
+                opened = await self._open(worker.address, req, deadline)
+                worker.breaker.succeeded()
+                calls.append(DecodeStream(req, worker.address, *opened, reopen))
                 if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
                     calls += await self._siblings(req, n, worker.address, claims, deadline)
                 return calls
@@ -300,8 +336,17 @@ class RequestPath:
                 if isinstance(e, asyncio.CancelledError):  # its client left: nothing to count here
                     raise
                 tried.append(worker.address)
+                if isinstance(e, WorkerUnavailable):
+                    worker.breaker.failed()
                 others = [w for w in self.router.decode if w.address not in tried]
                 if isinstance(e, WorkerUnavailable) and others and len(tried) < MAX_DECODE_ATTEMPTS:
+                    if not claims.retry("before_first_token"):
+                        log.info("request %s: decode worker %s unavailable, and the retry budget is spent: %s",
+                                 req.request_id, worker.address, e.message)
+                        REQUESTS.labels(endpoint, "503").inc()
+                        raise APIError(503, f"decode worker unavailable ({e.message}), and the gateway's retry "
+                                            "budget is spent: too many requests are being retried now",
+                                       code="retry_budget_spent") from None
                     log.info("request %s: decode worker %s unavailable, retrying on another: %s", req.request_id,
                              worker.address, e.message)
                     worker.healthy = worker.healthy and not e.down
@@ -322,6 +367,10 @@ class RequestPath:
         first of its choices to move takes it), counted on each worker as it is picked: the
         streams of a drained worker, replayed at once, spread over the others instead of all
         picking the one that was least loaded before any of them landed."""
+        hand_off = req.HasField("kv_source")  # a drained worker's: planned, never refused by the budget
+        if not claims.retry("handed_off" if hand_off else "mid_stream", required=hand_off):
+            raise WorkerUnavailable(503, "the gateway's retry budget is spent: too many requests are being "
+                                         "retried now", down=False)
         tried = set(failed)
         req.ClearField("prefix_source")  # named for its first worker: a replay computes or copies its KV anew
         for worker in self.router.decode:
@@ -344,6 +393,7 @@ class RequestPath:
                 log.info("request %s: replay on %s failed: %s", req.request_id, worker.address, e.message)
                 if isinstance(e, WorkerUnavailable):
                     worker.healthy = worker.healthy and not e.down
+                    worker.breaker.failed()
                 tried.add(worker.address)
                 last = e.message
                 continue
@@ -351,6 +401,7 @@ class RequestPath:
                 if moving:
                     claims.off()
                 raise
+            worker.breaker.succeeded()
             return worker.address, call, first
         raise WorkerUnavailable(503, f"no decode worker left to replay it on (tried {len(tried)}; last: {last})")
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from common.block_hash import block_hashes
 from gateway import metrics
+from gateway.circuit_breaker import CircuitBreaker
 from gateway.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class WorkerState:
     longest_step_s: float = 0.0  # the longest engine step it measured (its deep health's answer)
     max_sequences: int | None = None  # running plus queued requests it holds at most (None: not reported)
     name: str | None = None  # role-worker_id-incarnation, from its Stats: how clients see it (None: not yet)
+    # requests that fail on it in a row take it out of routing for a while (decode workers)
+    breaker: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(2.0))
 
     def end_claim(self, tokens: int, freed: bool) -> None:
         """A request's claim ends: its blocks are room again at once when it ended on the
@@ -96,10 +99,12 @@ class NoWorker(LookupError):
 
 
 class Router:
-    def __init__(self, decode: list[str], prefill: list[str], block_size: int = 16, use_index: bool = True):
+    def __init__(self, decode: list[str], prefill: list[str], block_size: int = 16, use_index: bool = True,
+                 breaker_cool_down_s: float = 2.0):
         self.decode: list[WorkerState] = []
         self.prefill: list[WorkerState] = []
         self.block_size = block_size
+        self.breaker_cool_down_s = breaker_cool_down_s  # a worker's first cool-down: the health interval
         self.index = PrefixIndex()
         self.use_index = use_index  # False: route as before the index (the index is still fed)
         self.set_workers(decode, prefill)
@@ -107,20 +112,26 @@ class Router:
     def set_workers(self, decode: list[str], prefill: list[str]) -> None:
         """New membership (from the config or the controller); known workers keep their state."""
         known = {w.address: w for w in self.decode + self.prefill}
-        self.decode = [known.get(a) or WorkerState(a) for a in dict.fromkeys(decode)]
-        self.prefill = [known.get(a) or WorkerState(a) for a in dict.fromkeys(prefill)]
+        self.decode = [known.get(a) or self._state(a) for a in dict.fromkeys(decode)]
+        self.prefill = [known.get(a) or self._state(a) for a in dict.fromkeys(prefill)]
         self.index.retain(w.address for w in self.decode + self.prefill)
+
+    def _state(self, address: str) -> WorkerState:
+        return WorkerState(address, breaker=CircuitBreaker(self.breaker_cool_down_s))
 
     def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset(),
                     hashes: Sequence[bytes] = ()) -> WorkerState:
         """The healthy decode worker with the least work, preferring those with KV headroom for
-        the prompt (any worker, if none is healthy). Work is its outstanding tokens plus the
+        the prompt (any worker, if none is healthy), and passing over those whose circuit
+        breaker is open while another can serve. Work is its outstanding tokens plus the
         prompt's tokens it would compute: those past the leading blocks (`hashes`, under the
         request's cache salt) it holds cached, as the prefix index knows them. With nothing
-        in the index for the prompt, the least outstanding tokens decide, as before."""
+        in the index for the prompt, the least outstanding tokens decide, as before. The
+        pick counts as its breaker's probe when the breaker lets one through."""
         if not self.decode:
             raise NoWorker("no decode worker")
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
+        candidates = [w for w in candidates if w.breaker.allows()] or candidates
         live = [w for w in candidates if w.healthy] or candidates
         roomy = [w for w in live if w.fits(prompt_tokens)] or live
         if not self.use_index:
@@ -128,6 +139,7 @@ class Router:
         matched = self.index.longest_prefix([w.address for w in roomy], hashes) if hashes else {}
         bs = self.block_size
         pick = min(roomy, key=lambda w: w.outstanding_tokens - matched.get(w.address, 0) * bs)
+        pick.breaker.picked()
         if hashes:
             by = "index" if matched.get(pick.address) else "load"
             metrics.PREFIX_ROUTES.labels("decode", by).inc()

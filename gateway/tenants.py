@@ -165,10 +165,11 @@ class Tenants:
 
     def share(self, table: TenantTable) -> None:
         """Count in `table` from now on, a row per tenant (`all()`'s order), with the other
-        gateway processes; called before any request is admitted."""
+        gateway processes; called before any request is admitted. The table's last row is
+        the retry budget's (gateway/retry_budget.py), not a tenant's."""
         tenants = self.all()
-        if len(tenants) != table.rows:
-            raise ValueError(f"{table.path} has {table.rows} tenant rows, the tenants file {len(tenants)}")
+        if len(tenants) + 1 != table.rows:
+            raise ValueError(f"{table.path} has {table.rows - 1} tenant rows, the tenants file {len(tenants)}")
         for row, tenant in enumerate(tenants):
             tenant.shared = table.row(row)
 

@@ -1,4 +1,5 @@
-"""The load scenarios: a cancellation storm, and an open loop at 5x capacity."""
+"""The load scenarios: a cancellation storm, and an open loop at 5x capacity followed by a
+retry storm (clients resending every 429 at once)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,7 @@ async def overload(ctx: Chaos) -> Result:
             return await send(http, dep.url, completion(64, 16, rng))
 
         records = await asyncio.gather(*(scheduled(a) for a in arrivals))
+        storm_figures = await _retry_storm(http, dep.url, s.retry_storm_s, capacity, rng)
         # Once the load is gone, the overload's own request shape is admitted again at once,
         # and so is a long prompt: an idle system has no reason to shed.
         res.recovery_s, _ = await recover(http, dep.url, time.monotonic(), rng, 30.0, prompt_len=64)
@@ -115,12 +117,72 @@ async def overload(ctx: Chaos) -> Result:
                        ttft_p90_s=ttft_p90,
                        ttft_bound_s=MAX_TTFT_S, rejected=len(shed), time_to_429_p99_s=shed_p99,
                        rejected_by=dict(Counter(r.code for r in shed)), rss_mb_before=rss_before,
-                       rss_mb_after=rss_after)
+                       rss_mb_after=rss_after, retry_storm=storm_figures)
+    if storm_figures["other_statuses"]:
+        res.broken.append(f"the retry storm got {storm_figures['other_statuses']} (only 200 and 429 are answers)")
+    if storm_figures["served_over_capacity"] < 0.5:
+        res.slow.append(f"under the retry storm the served rate fell to {storm_figures['served_over_capacity']:.2f} "
+                        "of the measured capacity")
     res.notes.append(f"capacity {capacity:.1f} req/s ({probe_shed} x 429 while probing), offered {rate:.1f}; "
                      "admitted TTFT p90 "
                      f"{_s(ttft_p90)} (bound {MAX_TTFT_S:.0f}s); {len(shed)} x 429, p99 {_s(shed_p99)}; "
                      f"RSS MB {_rss_change(rss_before, rss_after)}")
     return res
+
+
+STORM_CLIENTS = 4 * PROBE_CLIENTS  # each resends its request the moment it gets a 429
+
+
+async def _retry_storm(http: httpx.AsyncClient, url: str, seconds: float, capacity: float, rng) -> dict:
+    """STORM_CLIENTS clients that resend every 429 at once, ignoring its Retry-After (one
+    client team's aggressive retries), for `seconds`: the requests served per second against
+    the capacity the closed loop measured (the backend's rate should hold: the gateway sheds
+    the excess with cheap 429s and adds no retries of its own), the 429s and the Retry-After
+    values they carried (the gateway's measured queue drain), and the gateway's retry-budget
+    counters over the storm (pdserve_retry_budget_total: what it spent and refused itself)."""
+    before = await _budget_counts(http, url)
+    statuses: Counter[int] = Counter()
+    retry_after: list[int] = []
+    served = 0
+    t0 = time.monotonic()
+
+    async def aggressive() -> None:
+        nonlocal served
+        while time.monotonic() - t0 < seconds:
+            body = completion(64, 4, rng, stream=False)
+            try:
+                r = await http.post(f"{url}/v1/completions", json=body)
+            except httpx.HTTPError:
+                statuses[0] += 1
+                continue
+            statuses[r.status_code] += 1
+            if r.status_code == 200:
+                served += 1
+            elif r.status_code == 429 and r.headers.get("retry-after", "").isdigit():
+                retry_after.append(int(r.headers["retry-after"]))
+
+    await asyncio.gather(*(aggressive() for _ in range(STORM_CLIENTS)))
+    took = time.monotonic() - t0
+    after = await _budget_counts(http, url)
+    rate = served / took
+    return {"seconds": round(took, 1), "clients": STORM_CLIENTS, "served": served,
+            "served_rps": round(rate, 2), "served_over_capacity": round(rate / max(capacity, 1e-9), 2),
+            "status_429": statuses[429], "other_statuses": {k: v for k, v in statuses.items() if k not in (200, 429)},
+            "retry_after_s": [min(retry_after), max(retry_after)] if retry_after else None,
+            "retry_budget": {k: after.get(k, 0) - before.get(k, 0) for k in after}}
+
+
+async def _budget_counts(http: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """pdserve_retry_budget_total by "kind/outcome", as the gateway's /metrics says now."""
+    text = (await http.get(f"{url}/metrics")).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_retry_budget_total{"):
+            labels, value = line.rsplit(" ", 1)
+            kind = labels.split('kind="')[1].split('"')[0]
+            outcome = labels.split('outcome="')[1].split('"')[0]
+            counts[f"{kind}/{outcome}"] = float(value)
+    return counts
 
 
 def _per_second(records: list[Record], start: float) -> list[dict]:

@@ -35,7 +35,8 @@ class Sizes:
     prefill_timeout_s: float  # the decode workers' --prefill-timeout: how long a stuck transfer lasts
     tenant_waves: int  # the tenants scenario's rounds of requests left halfway, and of slow schemas
     fffd_tokens: int  # the tenants scenario's lone-U+FFFD streams: output tokens (many times MAX_HELD)
+    retry_storm_s: float  # the overload's retry storm: clients resending every 429 at once, this long
 
 
-FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3, 8, 15.0, 4, 512)
-QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2, 4, 8.0, 2, 128)
+FULL = Sizes(1000, 48, 128, 16, 16, 128, 800, 10.0, 20.0, 100, 48, 2, 2.0, 3, 8, 15.0, 4, 512, 15.0)
+QUICK = Sizes(150, 32, 128, 16, 8, 64, 400, 5.0, 6.0, 25, 12, 1, 1.0, 2, 4, 8.0, 2, 128, 4.0)

@@ -93,6 +93,12 @@ def test_overload_is_shed_with_fast_429s_and_no_crash(smollm2_dir, tmp_path):
         r = run(c, "overload")
     f = r.figures
     assert r.completed > 0 and f["rejected"] > 0, f  # at 5x capacity some are admitted and some shed
+    # the retry storm: only 200s and 429s, each 429 with a Retry-After the gateway measured,
+    # and its own retry budget read over the storm (its served rate is the bench's to report)
+    storm = f["retry_storm"]
+    assert storm["served"] > 0 and storm["status_429"] > 0 and not storm["other_statuses"], storm
+    assert storm["retry_after_s"] is not None and storm["retry_after_s"][0] >= 1, storm
+    assert set(storm["retry_budget"]) >= {"before_first_token/spent", "mid_stream/refused"}, storm
 
 
 def test_a_cancellation_storm_leaks_no_block_and_hangs_nothing(ctx):

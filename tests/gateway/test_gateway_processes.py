@@ -47,11 +47,11 @@ def test_the_shared_table_sums_every_process_column_and_a_zeroed_column_frees_it
     """Two processes' views of one tenant (two handles on one table, as two children have):
     each checks the sum of both columns, releases its own, and the front process's zeroing
     of one column gives back exactly what that process held."""
-    front = TenantTable.create(tmp_path / "counts", rows=2, processes=2)
+    front = TenantTable.create(tmp_path / "counts", rows=3, processes=2)  # anonymous, a, the retry budget
 
     def tenant_of(process: int) -> Tenant:
         tenants = Tenants({"key": Tenant("a", max_concurrent=4, max_queued_tokens=100)})
-        tenants.share(TenantTable.open(tmp_path / "counts", 2, 2, process))
+        tenants.share(TenantTable.open(tmp_path / "counts", 3, 2, process))
         return tenants.by_key["key"]
 
     first, second = tenant_of(0), tenant_of(1)

@@ -93,7 +93,7 @@ def _path(backend: _Backend, decode: list[str], request_timeout_s: float = 100.0
 
 
 def _claimed_on(path: RequestPath, address: str) -> Claims:
-    claims = Claims(Tenant("t"), path.admission, cost=100, prompt_tokens=10)
+    claims = Claims(Tenant("t"), path.admission, cost=100, prompt_tokens=10, budget=path.budget)
     claims.take(kv_room=True)
     claims.on(next(w for w in path.router.decode if w.address == address))
     return claims
@@ -131,13 +131,18 @@ def test_a_taker_that_refuses_a_replay_costs_a_try_on_the_next(code):
 
 
 def test_a_drained_workers_replays_spread_over_the_others():
-    """Eight streams replayed at once from a drained worker: each counts on the worker it
+    """Eight streams handed off at once by a drained worker: each counts on the worker it
     picked at the pick, so they spread instead of all landing on the one least loaded before."""
     backend = _Backend()
     path = _path(backend, ["a", "b", "c"])
 
+    def handed_off() -> pb.GenerateRequest:
+        req = _replay()
+        req.kv_source.address, req.kv_source.request_id = "a", "r"
+        return req
+
     async def replay_all() -> list[str]:
-        moves = [path._reopen(_replay(), {"a"}, _claimed_on(path, "a"), deadline=time.monotonic() + 60)
+        moves = [path._reopen(handed_off(), {"a"}, _claimed_on(path, "a"), deadline=time.monotonic() + 60)
                  for _ in range(8)]
         return [address for address, _, _ in await asyncio.gather(*moves)]
 
