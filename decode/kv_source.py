@@ -77,8 +77,9 @@ class KVSource:
         self._prefix_pulls = 0  # pulls with kept None in `pulls` (the loop thread changes it)
 
     def __len__(self) -> int:
-        """Kept requests and prefix pulls in flight (any thread: two counts, no iteration)."""
-        return len(self.kept) + self._prefix_pulls
+        """Kept requests, prefix pulls in flight and released requests the engine has not
+        been told of yet (`poll`) (any thread: counts, no iteration)."""
+        return len(self.kept) + self._prefix_pulls + len(self._released)
 
     def keep(self, kv: KeptKV, hold_s: float) -> None:
         """Hold `kv` for a taker's pull, at most `hold_s` seconds."""
@@ -138,8 +139,18 @@ class KVSource:
 
     def abort(self, request_id: str, confirmed: Future | None = None) -> None:
         """Stop the pull of the taker's `request_id`; `confirmed` resolves (True if it was
-        known) once nothing of it is in flight. One not here yet is refused when it comes."""
+        known) once nothing of it is in flight. One not here yet is refused when it comes.
+        `request_id` may also be a kept request's own id, not being pulled: its gateway gave
+        its hand-off up (no decode worker took it), and its blocks are released now instead
+        of at the end of their hold."""
         p = self.pulls.get(request_id)
+        kept = self.kept.get(request_id)
+        if p is None and kept is not None and not kept.pulled_by:
+            log.info("request %s: its gateway gave its hand-off up; kept KV released", request_id)
+            self._release(kept, "abandoned")
+            if confirmed is not None:
+                confirmed.set_result(True)
+            return
         if p is None:
             return self._early_aborts.not_here(request_id, confirmed)
         if confirmed is not None:

@@ -117,6 +117,17 @@ class Backend:
         results = await asyncio.gather(*(self.stats(a, requests.get(a)) for a in addresses))
         return dict(zip(addresses, results))
 
+    async def release_kept(self, address: str, kept_request_id: str) -> None:
+        """Tell a drained decode worker that the hand-off of `kept_request_id` was given up:
+        it releases the KV it kept for the taker now, not at the end of its hold (its drain
+        waits on it). Best effort: a worker that does not answer releases it then anyway."""
+        try:
+            await pb_grpc.PrefillWorkerStub(self._channel(address)).Abort(
+                pb.AbortRequest(request_id=kept_request_id), timeout=10)
+        except grpc.RpcError as e:
+            log.info("request %s: %s did not take the release of its kept KV (%s); it ends with its hold",
+                     kept_request_id, address, e.code().name)
+
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self._decode_calls.values()))
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))

@@ -169,6 +169,7 @@ class RequestPath:
         self.config, self.router, self.backend = config, router, backend
         self.admission, self.tokenizer = admission, tokenizer
         self.budget = budget if budget is not None else RetryBudget()
+        self._background: set[asyncio.Task] = set()
 
     def _measured_retry_after(self, e: APIError) -> None:
         """A 429 or 503 says when to come back from what the gateway measures: the time its
@@ -207,8 +208,7 @@ class RequestPath:
         salt = tenant.cache_salt(body.cache_salt)
         hashes = block_hashes(prompt, router.block_size, salt)  # what the prefix index knows blocks by
         req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, params=params, priority=tenant.priority,
-                                 prefill_workers=router.rank_prefill(prompt, salt, hashes), cache_salt=salt,
-                                 tenant=tenant.name)
+                                 cache_salt=salt, tenant=tenant.name)
         started = time.monotonic()
         # One deadline for the whole request: its first worker's call, its retries, replays
         # and hand-offs all run within it (--request-timeout is the bound in all).
@@ -303,18 +303,20 @@ class RequestPath:
         one's first message. A worker that fails before that (refuses it while draining or
         shutting down, breaks, or ends it with an error and no token) costs a retry on
         another, up to MAX_DECODE_ATTEMPTS workers: no token has reached the client yet.
-        `hashes`: the prompt's block hashes, by which the prefix index ranks the workers and
-        names a sibling holding more of the prefix than the chosen one (its prefix source)."""
+        Each try's route is one decision (Router.route): the prefill workers, the decode
+        worker and a sibling holding more of the prefix than it (its prefix source), from
+        one look-up of the prompt's block hashes (`hashes`) in the prefix index."""
         base, tried = req.request_id, []
         while True:
             try:
-                worker = self.router.pick_decode(len(req.prompt_token_ids), exclude=set(tried), hashes=hashes)
+                route = self.router.route(req.prompt_token_ids, req.cache_salt, hashes, exclude=set(tried))
             except NoWorker:
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
+            worker, source = route.decode, route.prefix_source
             claims.on(worker)
+            req.prefill_workers[:] = route.prefill
             req.ClearField("prefix_source")
-            source = self.router.prefix_source(hashes, worker)
             if source is not None:
                 req.prefix_source.address, req.prefix_source.blocks = source
                 metrics.PREFIX_SOURCES.inc()
@@ -371,6 +373,21 @@ class RequestPath:
         if not claims.retry("handed_off" if hand_off else "mid_stream", required=hand_off):
             raise WorkerUnavailable(503, "the gateway's retry budget is spent: too many requests are being "
                                          "retried now", down=False)
+        try:
+            return await self._replay(req, failed, claims, deadline)
+        except BaseException:
+            if hand_off:  # given up: the drained worker lets go of the KV it kept for a taker
+                self._releasing(self.backend.release_kept(req.kv_source.address, req.kv_source.request_id))
+            raise
+
+    def _releasing(self, release: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(release)
+        self._background.add(task)  # the loop holds tasks weakly
+        task.add_done_callback(self._background.discard)
+
+    async def _replay(self, req: pb.GenerateRequest, failed: set[str], claims: Claims,
+                      deadline: float) -> tuple[str, object, pb.GenerateResponse]:
+        """`_reopen`'s tries, once the budget let it retry."""
         tried = set(failed)
         req.ClearField("prefix_source")  # named for its first worker: a replay computes or copies its KV anew
         for worker in self.router.decode:

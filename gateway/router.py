@@ -94,6 +94,16 @@ class PoolSize(NamedTuple):
     workers: int
 
 
+class Route(NamedTuple):
+    """Where one request goes: the prefill workers its decode worker tries, most preferred
+    first; the decode worker; and the sibling it may fetch prompt blocks from, as
+    (address, blocks it holds in a row), or None."""
+
+    prefill: list[str]
+    decode: WorkerState
+    prefix_source: tuple[str, int] | None
+
+
 class NoWorker(LookupError):
     """No decode worker is known (membership not pushed yet, or every one was removed)."""
 
@@ -119,41 +129,62 @@ class Router:
     def _state(self, address: str) -> WorkerState:
         return WorkerState(address, breaker=CircuitBreaker(self.breaker_cool_down_s))
 
+    def route(self, prompt: Sequence[int], cache_salt: str, hashes: Sequence[bytes],
+              exclude: set[str] = frozenset()) -> Route:
+        """A request's whole route from one look-up in the prefix index: the prefill workers
+        ranked (`rank_prefill`'s rule), the decode worker (`pick_decode`'s, passing over
+        `exclude`) and a sibling holding more of the prompt as its prefix source
+        (`prefix_source`'s), each from the blocks the one walk found each worker holding."""
+        addresses = [w.address for w in self.decode + self.prefill]
+        matched = self.index.longest_prefix(addresses, hashes) if hashes and self.use_index else {}
+        decode = self._pick_decode(len(prompt), exclude, matched, bool(hashes) and self.use_index)
+        return Route(self._rank_prefill(prompt, cache_salt, hashes, matched), decode,
+                     self._prefix_source(decode, matched) if hashes else None)
+
     def pick_decode(self, prompt_tokens: int = 0, exclude: set[str] = frozenset(),
                     hashes: Sequence[bytes] = ()) -> WorkerState:
+        """The decode worker `route` would pick, alone (a replay's, which names no prefix)."""
+        addresses = [w.address for w in self.decode]
+        matched = self.index.longest_prefix(addresses, hashes) if hashes and self.use_index else {}
+        return self._pick_decode(prompt_tokens, exclude, matched, bool(hashes) and self.use_index)
+
+    def _pick_decode(self, prompt_tokens: int, exclude: set[str], matched: dict[str, int],
+                     by_prefix: bool) -> WorkerState:
         """The healthy decode worker with the least work, preferring those with KV headroom for
         the prompt (any worker, if none is healthy), and passing over those whose circuit
         breaker is open while another can serve. Work is its outstanding tokens plus the
-        prompt's tokens it would compute: those past the leading blocks (`hashes`, under the
-        request's cache salt) it holds cached, as the prefix index knows them. With nothing
-        in the index for the prompt, the least outstanding tokens decide, as before. The
-        pick counts as its breaker's probe when the breaker lets one through."""
+        prompt's tokens it would compute: those past the leading blocks it holds cached
+        (`matched`, from the prefix index under the request's cache salt). With nothing in
+        the index for the prompt, the least outstanding tokens decide, as before. The pick
+        counts as its breaker's probe when the breaker lets one through."""
         if not self.decode:
             raise NoWorker("no decode worker")
         candidates = [w for w in self.decode if w.address not in exclude] or self.decode
         candidates = [w for w in candidates if w.breaker.allows()] or candidates
         live = [w for w in candidates if w.healthy] or candidates
         roomy = [w for w in live if w.fits(prompt_tokens)] or live
-        if not self.use_index:
-            hashes = ()
-        matched = self.index.longest_prefix([w.address for w in roomy], hashes) if hashes else {}
         bs = self.block_size
         pick = min(roomy, key=lambda w: w.outstanding_tokens - matched.get(w.address, 0) * bs)
         pick.breaker.picked()
-        if hashes:
+        if by_prefix:
             by = "index" if matched.get(pick.address) else "load"
             metrics.PREFIX_ROUTES.labels("decode", by).inc()
             metrics.PREFIX_MATCHED_BLOCKS.labels("decode").inc(matched.get(pick.address, 0))
         return pick
 
     def prefix_source(self, hashes: Sequence[bytes], chosen: WorkerState) -> tuple[str, int] | None:
+        """`route`'s prefix source for `chosen`, alone."""
+        if not hashes or not self.use_index:
+            return None
+        return self._prefix_source(chosen, self.index.longest_prefix([w.address for w in self.decode], hashes))
+
+    def _prefix_source(self, chosen: WorkerState, held: dict[str, int]) -> tuple[str, int] | None:
         """Another healthy decode worker holding more of the prompt's leading blocks than
         `chosen` does, as (address, blocks it holds in a row): where `chosen` may fetch them
         from instead of computing them (worker/prefix_fetch.py). None when no one holds more."""
         others = [w.address for w in self.decode if w is not chosen and w.healthy]
-        if not hashes or not others or not self.use_index:
+        if not others or not self.use_index:
             return None
-        held = self.index.longest_prefix(others + [chosen.address], hashes)
         best = max(others, key=lambda a: held.get(a, 0))
         if held.get(best, 0) <= held.get(chosen.address, 0):
             return None
@@ -196,17 +227,23 @@ class Router:
         return any(w is not worker for w in self.decode)
 
     def rank_prefill(self, prompt: list[int], cache_salt: str = "", hashes: Sequence[bytes] | None = None) -> list[str]:
+        """`route`'s prefill ranking, alone."""
+        if hashes is None:
+            hashes = block_hashes(prompt, self.block_size, cache_salt)
+        addresses = [w.address for w in self.prefill]
+        matched = self.index.longest_prefix(addresses, hashes) if hashes and self.use_index else {}
+        return self._rank_prefill(prompt, cache_salt, hashes, matched)
+
+    def _rank_prefill(self, prompt: Sequence[int], cache_salt: str, hashes: Sequence[bytes],
+                      matched: dict[str, int]) -> list[str]:
         """Prefill workers, the prompt's favourite first (healthy ones only): the most of the
-        prompt's leading blocks cached first, as the prefix index knows them, then by
+        prompt's leading blocks cached first (`matched`, from the prefix index), then by
         rendezvous hash of the first blocks. Both use the prompt's block hashes under the
         request's cache salt: the same blocks the worker's prefix cache would find."""
         live = [w for w in self.prefill if w.healthy]
         if not live:
             return []
-        if hashes is None:
-            hashes = block_hashes(prompt, self.block_size, cache_salt)
-        matched = self.index.longest_prefix([w.address for w in live], hashes) if self.use_index else {}
-        key = b"".join(hashes[:AFFINITY_BLOCKS]) or bytes(f"{cache_salt}{prompt[:8]}", "utf-8")
+        key = b"".join(hashes[:AFFINITY_BLOCKS]) or bytes(f"{cache_salt}{list(prompt[:8])}", "utf-8")
         ranked = sorted(live, key=lambda w: (matched.get(w.address, 0), _score(key, w.address)), reverse=True)
         least = min(ranked, key=lambda w: w.waiting_tokens)
         overloaded = ranked[0].waiting_tokens - least.waiting_tokens > OVERLOAD_TOKENS

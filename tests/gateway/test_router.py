@@ -132,3 +132,27 @@ def test_without_the_index_routing_is_as_before_it():
     r.index.apply("d:2", "decode-2-1", KVEventsSince(1, True, hashes, []))
     assert r.pick_decode(len(prompt), hashes=hashes).address == "d:1"  # the first of two idle workers
     assert r.prefix_source(hashes, r.decode[0]) is None
+
+
+def test_a_route_is_one_decision_from_one_look_up():
+    """Router.route gives the prefill ranking, the decode worker and its prefix source that
+    the three separate rules give, walking the prefix index once."""
+    from common.block_hash import block_hashes
+    from common.kv_events import KVEventsSince
+
+    r = Router(["d:1", "d:2", "d:3"], PREFILL[:2])
+    prompt = _prompt(9, 100)
+    hashes = block_hashes(prompt, 16, "salt")
+    r.index.apply("d:2", "decode-2-1", KVEventsSince(1, True, hashes[:6], []))
+    r.index.apply("d:3", "decode-3-1", KVEventsSince(1, True, hashes[:2], []))
+    r.index.apply(PREFILL[1], "prefill-1-1", KVEventsSince(1, True, hashes[:3], []))
+    r.decode[1].outstanding_tokens = 200
+    walks = []
+    walk = r.index.longest_prefix
+    r.index.longest_prefix = lambda candidates, h: walks.append(1) or walk(candidates, h)
+    route = r.route(prompt, "salt", hashes)
+    assert len(walks) == 1
+    assert route.prefill == r.rank_prefill(prompt, "salt", hashes) and route.prefill[0] == PREFILL[1]
+    assert route.decode is r.decode[2] and route.decode is r.pick_decode(len(prompt), hashes=hashes)
+    assert route.prefix_source == r.prefix_source(hashes, route.decode) == ("d:2", 6)
+    assert r.route(prompt, "salt", hashes, exclude={"d:3"}).decode is r.decode[0]  # a retry passes over d:3

@@ -163,3 +163,30 @@ def _assert_idle(*workers) -> None:
     for w in workers:
         s = wait_idle(w)
         assert s.free_blocks == s.total_blocks and s.running_requests == s.waiting_requests == 0, s
+
+
+def test_a_hand_off_no_worker_takes_lets_the_drained_worker_release_its_kept_kv(workers, smollm2_dir, tmp_path):
+    """The only decode worker is drained with hand-off: its stream's KV is kept for a taker,
+    but there is none, so the gateway gives the hand-off up (the stream ends with an error
+    event) and tells the drained worker, which releases the kept blocks at once instead of
+    holding them, and its drain, to the end of their hold."""
+    p = workers[0]
+    (d,) = start_workers([("decode", ARGS, {})], smollm2_dir, tmp_path)
+    log = tmp_path / "gateway.log"
+    try:
+        with admin_gateway(smollm2_dir, [d.address], [p.address], log, ADMIN_TOKEN, "--health-interval", "3600") \
+                as (url, _):
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=_body("greedy"), timeout=120) as resp:
+                lines = data_lines(resp.iter_lines())
+                for _ in range(CHUNKS_BEFORE_MOVE):
+                    assert "error" not in next(lines)
+                result = drain(lambda: holdings_of(d.stub.Drain(pb.DrainRequest(hand_off=True), timeout=30)),
+                               d.alive, lambda: True, bound_s=300, health_interval_s=2, unhealthy_after=3)
+                rest = list(lines)
+            assert result.end is DrainEnd.EMPTY, result
+            assert rest[-1] == "data: [DONE]" and "error" in rest[-2], rest[-3:]
+        d_log = d.log_path.read_text(errors="replace")
+        assert "its gateway gave its hand-off up; kept KV released" in d_log, d_log[-3000:]
+        assert "was not pulled in time" not in d_log
+    finally:
+        d.stop()
