@@ -1,4 +1,4 @@
-"""What the gateway's prefix index costs (gateway/prefix_index.py): its memory per entry, the
+"""What the gateway's prefix index costs (gateway/routing/prefix_index.py): its memory per entry, the
 time to apply a worker's KV events, and the time a routing decision takes with the index
 against the same decision without it (the rendezvous hash and least-loaded pick alone), in
 one run, one process.
@@ -28,7 +28,7 @@ from pathlib import Path
 from bench.host_cpu import host_cpu
 from common.block_hash import block_hashes
 from common.kv_events import KVEventsSince
-from gateway.router import Router
+from gateway.routing.router import Router
 
 BS = 16
 

@@ -62,7 +62,7 @@ from bench.serving_metrics import (  # noqa: F401
     summarize,
 )
 from deploy.planner.workload import Request, poisson_arrivals, requests_from_lengths, sample_workload
-from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
+from gateway.front_door.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 CLOSED_LOOP_POOL = 20  # requests drawn per stream per second of --duration in closed loop
 

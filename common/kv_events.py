@@ -1,6 +1,6 @@
 """A worker's prefix-cache events as a reader applies them: what crosses from a worker's
 event log (worker/kv_event_log.py) through Stats (rpc/convert.py) to the gateway's prefix
-index (gateway/prefix_index.py)."""
+index (gateway/routing/prefix_index.py)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
-from gateway.trusted_proxies import TrustedProxies
+from gateway.front_door.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.front_door.trusted_proxies import TrustedProxies
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")  # auto: kernels/host.py
 
@@ -130,17 +130,17 @@ class GatewaySettings:
     # worker carrying every request (one message per engine step); "request", the earlier
     # path, one Generate call per request (kept to compare the two: bench/stream_path.py).
     decode_streams: str = "worker"
-    # The Responses API's stored responses (previous_response_id; gateway/openai_responses_store.py):
+    # The Responses API's stored responses (previous_response_id; gateway/responses/store.py):
     # bytes kept at most, one bound for all the processes (0: none stored), and seconds each
     # is kept; None: the gateway's defaults, 64 MiB and one hour.
     response_store_bytes: int | None = None
     response_store_ttl_s: float | None = None
-    # Route on the prefix index (gateway/prefix_index.py); False: as before it, to measure against.
+    # Route on the prefix index (gateway/routing/prefix_index.py); False: as before it, to measure against.
     prefix_routing: bool = True
-    # Proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py): addresses or
+    # Proxies whose X-Forwarded-For names the client (gateway/front_door/trusted_proxies.py): addresses or
     # networks, comma-separated, or "*"; "" (default): none, forwarding headers not believed.
     forwarded_allow_ips: str = ""
-    # TLS on the client port (gateway/tls.py): the certificate chain and its key, PEM files
+    # TLS on the client port (gateway/front_door/tls.py): the certificate chain and its key, PEM files
     # on the gateway's node; None: plain HTTP (put a TLS proxy in front: docs/deploy.md).
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None

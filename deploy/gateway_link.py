@@ -2,7 +2,7 @@
 what the controller sends it every round (the ready workers and its own metrics).
 
 The gateway process listens for its membership on an admin socket on its own loopback only
-(gateway/admin_listener.py), so every push goes through its host actor on that node
+(gateway/front_door/admin_listener.py), so every push goes through its host actor on that node
 (deploy/hosts.py `GatewayHost.push_membership`). A restarted gateway starts with empty
 worker lists; the next round's push gives them back.
 """

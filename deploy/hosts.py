@@ -146,7 +146,7 @@ class GatewayHost:
                         controller: str = "controller") -> str:
         """PUT the ready workers (and the controller's metrics, for the gateway's /metrics) to
         the gateway's admin socket, on this node's loopback (the only place it listens:
-        gateway/admin_listener.py). Returns "" or why it failed."""
+        gateway/front_door/admin_listener.py). Returns "" or why it failed."""
         if not self.admin_address:
             m = _ADMIN.search(self.process.log_path.read_text(errors="replace"))
             if m is None:

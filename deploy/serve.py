@@ -27,7 +27,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 from common import envs  # noqa: E402
 from deploy.config import ConfigError, DeployConfig  # noqa: E402
-from gateway import tls  # noqa: E402
+from gateway.front_door import tls  # noqa: E402
 
 CONTROLLER, NAMESPACE = "pdserve-controller", "pdserve"
 

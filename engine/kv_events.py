@@ -1,6 +1,6 @@
 """Which prefix-cache block hashes became findable in a KV pool and which stopped being so,
 in order: what a worker publishes so the gateway's router can know where a prefix is
-cached (gateway/prefix_index.py).
+cached (gateway/routing/prefix_index.py).
 
 The block pool records an event where a full block's hash is cached and where a cached
 block is reused for other content (its hash evicted), one list append each; the worker's

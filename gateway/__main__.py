@@ -24,18 +24,19 @@ import uvicorn
 from common import envs, trace
 from common.model_source import resolve_model
 from common.parent_watch import watch_parent
-from gateway import admin_listener, metrics, processes, tls
+from gateway import metrics, processes
+from gateway.front_door import admin_listener, tls
 from gateway.app import GatewayConfig, create_app
-from gateway.exposure import OPT_IN_FLAG, open_bind_refusal
-from gateway.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
+from gateway.front_door.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.front_door.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
 from gateway.metrics import SLO
-from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
+from gateway.responses.store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
 from gateway.request_path import FIRST_TOKEN_ALLOWANCE_S
 from gateway.retry_budget import RetryBudget
 from gateway.shared_membership import SharedMembership
 from gateway.tenant_table import TenantTable
 from gateway.tenants import Tenants
-from gateway.trusted_proxies import TrustedProxies
+from gateway.front_door.trusted_proxies import TrustedProxies
 from rpc.auth import is_loopback
 
 
@@ -176,8 +177,8 @@ def main() -> None:
     watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))  # hosted by a Ray actor: end with it
     # Idle keep-alive connections close after 5 s; a request head is capped at 16 KiB (h11) and
     # must arrive within --header-timeout, and one address has at most --max-connections-per-ip
-    # stalled connections (gateway/head_deadline.py). uvicorn's own proxy headers are off: who
-    # the client is comes from --forwarded-allow-ips alone (gateway/trusted_proxies.py). The
+    # stalled connections (gateway/front_door/head_deadline.py). uvicorn's own proxy headers are off: who
+    # the client is comes from --forwarded-allow-ips alone (gateway/front_door/trusted_proxies.py). The
     # asyncio loop, named: it reads pending bytes before it runs a timer due in the same turn.
     app = create_app(config)
     if shared is not None and admin is not None:  # a push one process takes reaches the others

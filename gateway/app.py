@@ -28,32 +28,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.tokenizer import ChatTemplateError, Tokenizer
 from gateway import scrape
-from gateway.admin_listener import AdminOnLoopback
+from gateway.front_door.admin_listener import AdminOnLoopback
 from gateway.admission import Admission
 from gateway.backend import Backend
-from gateway.body_limit import BodyLimit
+from gateway.front_door.body_limit import BodyLimit
 from gateway.errors import APIError, api_error_handler, http_error_handler, validation_error_handler
 from gateway.metrics import REQUESTS
-from gateway.messages_answer import messages_answer
-from gateway.messages_errors import AnthropicErrors
-from gateway.messages_protocol import MessagesRequest
-from gateway.messages_request import chat_request
-from gateway.metrics_access import metrics_refusal
-from gateway.openai_responses_answer import responses_answer
-from gateway.openai_responses_protocol import ResponsesRequest
-from gateway.openai_responses_request import chat_request as responses_chat_request
-from gateway.openai_responses_request import responses_error
-from gateway.openai_responses_folder_store import FolderStore
-from gateway.openai_responses_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, MemoryStore
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
+from gateway.messages.answer import messages_answer
+from gateway.messages.errors import AnthropicErrors
+from gateway.messages.protocol import MessagesRequest
+from gateway.messages.request import chat_request
+from gateway.front_door.metrics_access import metrics_refusal
+from gateway.responses.answer import responses_answer
+from gateway.responses.protocol import ResponsesRequest
+from gateway.responses.request import chat_request as responses_chat_request
+from gateway.responses.request import responses_error
+from gateway.responses.folder_store import FolderStore
+from gateway.responses.store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES, MemoryStore
+from gateway.completions.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Membership, TokenizeRequest
 from gateway.readiness import Readiness
 from gateway.request_id import RequestId
 from gateway.request_path import RequestPath
 from gateway.retry_budget import RetryBudget
-from gateway.router import Router, WorkerState
+from gateway.routing.router import Router, WorkerState
 from gateway.tenants import Tenant, Tenants
-from gateway.trusted_proxies import SCOPE_KEY, ForwardedClient, Relay, TrustedProxies
-from gateway.tools import ToolPlan, render_messages
+from gateway.front_door.trusted_proxies import SCOPE_KEY, ForwardedClient, Relay, TrustedProxies
+from gateway.completions.tools import ToolPlan, render_messages
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -76,24 +76,24 @@ class GatewayConfig:
     max_ttft_s: float | None = 60.0  # TTFT bound: shed past 75% of it, predicted (None: never shed)
     max_output_tokens: int | None = None  # cap on max_tokens, and its default (None: the context limit)
     admin_token: str | None = None  # enables PUT /admin/workers (membership pushed by the deploy controller)
-    admin_port: int | None = None  # the loopback socket that alone serves /admin/* (gateway/admin_listener.py)
+    admin_port: int | None = None  # the loopback socket that alone serves /admin/* (gateway/front_door/admin_listener.py)
     # How requests stream from the decode workers: "worker" (default), all of them on one
     # Streams call per worker, one message per step; "request", one Generate call each (the
     # path before Streams, kept to measure against: bench/stream_path.py).
     decode_streams: str = "worker"
-    # Stored responses for previous_response_id (gateway/openai_responses_store.py): bytes
+    # Stored responses for previous_response_id (gateway/responses/store.py): bytes
     # kept at most (0: none stored) and for how long; with `processes` gateway processes on
     # the port, the folder they share them in (None: this process's memory).
     response_store_bytes: int = DEFAULT_MAX_BYTES
     response_store_ttl_s: float = DEFAULT_MAX_AGE_S
     response_store_folder: Path | None = None
     processes: int = 1
-    # Route on the prefix index the workers' KV events feed (gateway/prefix_index.py): prefill
+    # Route on the prefix index the workers' KV events feed (gateway/routing/prefix_index.py): prefill
     # workers ranked and decode workers picked by the prefix each holds, and a sibling named
     # as a decode worker's prefix source. False: routing as before the index (rendezvous hash
     # for prefill, least outstanding tokens for decode, no prefix source), to measure against.
     prefix_routing: bool = True
-    # The proxies whose X-Forwarded-For names the client (gateway/trusted_proxies.py); none by default.
+    # The proxies whose X-Forwarded-For names the client (gateway/front_door/trusted_proxies.py); none by default.
     trusted_proxies: TrustedProxies = field(default_factory=TrustedProxies)
     # The gateway's own retries (gateway/retry_budget.py), shared with its other processes' (__main__).
     retry_budget: RetryBudget = field(default_factory=RetryBudget)
@@ -155,7 +155,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """The one scrape; concurrent scrapes share one round of calls and one merge. Off
-        loopback, other hosts need the admin token (gateway/metrics_access.py)."""
+        loopback, other hosts need the admin token (gateway/front_door/metrics_access.py)."""
         refusal = metrics_refusal(config.host, request.client.host if request.client else None,
                                   request.headers.get("authorization"), config.admin_token,
                                   request.scope.get(SCOPE_KEY, Relay.DIRECT))
@@ -202,8 +202,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/messages")
     async def anthropic_messages(body: MessagesRequest, request: Request):
-        """Anthropic's Messages API: the chat request it means (gateway/messages_request.py)
-        on the chat path, its answer in Anthropic's shape (gateway/messages_answer.py)."""
+        """Anthropic's Messages API: the chat request it means (gateway/messages/request.py)
+        on the chat path, its answer in Anthropic's shape (gateway/messages/answer.py)."""
         tenant = _tenant(request)
         chat_body = chat_request(body, tokenizer.renders_tools)
         prompt, tools = await _chat_prompt(chat_body, tenant)
@@ -211,8 +211,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/responses")
     async def openai_responses(body: ResponsesRequest, request: Request):
-        """OpenAI's Responses API: the chat request it means (gateway/openai_responses_request.py)
-        on the chat path, its answer as a response (gateway/openai_responses_answer.py)."""
+        """OpenAI's Responses API: the chat request it means (gateway/responses/request.py)
+        on the chat path, its answer as a response (gateway/responses/answer.py)."""
         tenant = _tenant(request)
         history = await response_store.history(tenant.name, body.previous_response_id)
         chat_body, conversation = responses_chat_request(body, history)

@@ -12,7 +12,7 @@ the replay's `kv_source`: the taker copies it over NIXL instead of prefilling
 where the first worker stopped: max_tokens, penalties, the seeded sampler's positions
 and the grammar's state all follow them (engine/llm_engine.py `add_request`). Its
 messages then follow on the same stream, nothing duplicated or missing, and the reader
-(gateway/responses.py) never sees the break. At most MAX_REPLAYS per choice; past that,
+(gateway/completions/answer.py) never sees the break. At most MAX_REPLAYS per choice; past that,
 with no other decode worker, or when the request's own deadline ran out, the reader gets
 the failure as it came.
 """

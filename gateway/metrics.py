@@ -96,7 +96,7 @@ WORKER_GAUGES = {
     "prefix_cache_hit_rate": "Prefix-cache hit rate", "kv_blocks_transferred": "KV blocks moved over NIXL",
     "prefix_index_blocks": "Cached blocks the gateway's prefix index holds for the worker (this process's index)",
     "circuit_open": "1 while this gateway process's circuit breaker for the decode worker is open or half open "
-                    "(gateway/circuit_breaker.py): requests go elsewhere",
+                    "(gateway/routing/circuit_breaker.py): requests go elsewhere",
 }  # pdserve_worker_<name>{worker}: its help text
 
 

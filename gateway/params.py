@@ -4,8 +4,8 @@ into the wire form once; the workers convert the wire form into the engine's."""
 from __future__ import annotations
 
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest
-from gateway.structured import grammar_of
+from gateway.completions.protocol import ChatCompletionRequest
+from gateway.completions.structured import grammar_of
 from rpc import pdserve_pb2 as pb
 
 # Log-probability entries one request may ask for: choices x tokens x (alternatives + the

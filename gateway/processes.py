@@ -22,7 +22,7 @@ when the front process was killed):
 - `membership.json`: the deploy controller's last push, which one child took and every child
   replays (gateway/shared_membership.py): they route to the same workers.
 - `responses/`: the Responses API's stored answers, a file each
-  (gateway/openai_responses_folder_store.py): a `previous_response_id` any child stored is found
+  (gateway/responses/folder_store.py): a `previous_response_id` any child stored is found
   by every child, within one byte bound and age for them all.
 
 Each child keeps its own load shedding and KV accounting, a partition with an error bound:
@@ -37,7 +37,7 @@ Each child keeps its own load shedding and KV accounting, a partition with an er
   grows as the queue gets small: 8% at Q = 450 with N = 4, 30% at Q = 30. It matters only
   near the shedding point, Q = 0.75 x bound x R, and the 25% headroom under the bound holds
   it while Q > 16 (N - 1). A child with nothing queued admits, as one gateway does.
-- KV room (gateway/router.py): a child subtracts the prompts it sent to a worker since the
+- KV room (gateway/routing/router.py): a child subtracts the prompts it sent to a worker since the
   worker's last Stats, not those the other children sent; a worker past its room refuses
   the request itself, and the child sends it to another.
 

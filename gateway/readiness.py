@@ -13,7 +13,7 @@ import time
 from gateway.admission import Admission
 from gateway.backend import Backend
 from gateway.metrics import WorkerGauges
-from gateway.router import Router
+from gateway.routing.router import Router
 from rpc import pdserve_pb2 as pb
 from rpc.convert import kv_events_from_pb
 

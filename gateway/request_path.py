@@ -29,7 +29,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common import trace
 from common.block_hash import block_hashes
 from common.tokenizer import Tokenizer
-from gateway import metrics, responses
+from gateway import metrics
+from gateway.completions.answer import collect_all, generate_events, sse
 from gateway.admission import Admission, Ticket
 from gateway.backend import Backend
 from gateway.client_gone import ClientGone, unless_gone
@@ -39,10 +40,10 @@ from gateway.metrics import REQUESTS, TTFT
 from gateway.params import max_prompt_tokens, sampling_params
 from gateway.request_id import arrived_at, client_request_id, set_request_id
 from gateway.retry_budget import RetryBudget
-from gateway.router import NoWorker, Router, WorkerState
+from gateway.routing.router import NoWorker, Router, WorkerState
 from gateway.served import Served
 from gateway.tenants import Tenant
-from gateway.tools import ToolPlan
+from gateway.completions.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class RequestPath:
 
     async def serve(self, kind: str, body, prompt: list[int], tenant: Tenant, request: Request,
                     tools: ToolPlan | None = None) -> Response:
-        """The request's answer; `tools`: how a chat request uses its tools (gateway/tools.py)."""
+        """The request's answer; `tools`: how a chat request uses its tools (gateway/completions/tools.py)."""
         config, router = self.config, self.router
         endpoint = "chat" if kind == "chat" else "completions"
         params = sampling_params(body, len(prompt), max_model_len=config.max_model_len, max_prompt=self.max_prompt(),
@@ -245,7 +246,7 @@ class RequestPath:
         trace.event(rid, "first_token", **served.fields())
         claims.first_token()
         TTFT.observe(ttft)
-        choices = [responses.generate_events(kind, body, rid, call, call.first, len(prompt), started,
+        choices = [generate_events(kind, body, rid, call, call.first, len(prompt), started,
                                              started + ttft, endpoint, self.tokenizer, primary=i == 0)
                    for i, call in enumerate(calls)]
 
@@ -259,12 +260,12 @@ class RequestPath:
                     call.cancel()  # a client that left, or a stop string: the decode worker aborts
 
         if body.stream:
-            return _ReleasingStream(responses.sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),
+            return _ReleasingStream(sse(kind, rid, body, choices, config.model_name, self.tokenizer, tools),
                                     on_close=finish, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                              **served.headers(self.router.name_of)})
         try:
-            answer = responses.collect_all(kind, choices, rid, body, config.model_name, self.tokenizer, tools)
+            answer = collect_all(kind, choices, rid, body, config.model_name, self.tokenizer, tools)
             return await _collect_unless_gone(request, answer, served.headers(self.router.name_of))
         finally:
             await finish()

@@ -21,7 +21,7 @@ import logging
 import os
 from pathlib import Path
 
-from gateway.admin_listener import HOST
+from gateway.front_door.admin_listener import HOST
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gateway.errors import APIError
-from gateway.router import PoolSize
+from gateway.routing.router import PoolSize
 from gateway.tenant_table import TenantRow, TenantTable
 
 # The concurrency of a tenant with no max_concurrent before any decode worker has reported

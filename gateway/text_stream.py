@@ -4,7 +4,7 @@ Text that could be the start of a stop string is held back until it is known not
 one, so a stop string is never sent, even split across tokens. Held-back text was already
 searched, so each step searches only where a stop string could newly end: the new text
 and the last len(stop) - 1 characters before it. The work per token is then the new text
-times the number of stop strings, whatever their length (gateway/protocol.py bounds it).
+times the number of stop strings, whatever their length (gateway/completions/protocol.py bounds it).
 """
 
 from __future__ import annotations

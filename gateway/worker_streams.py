@@ -2,7 +2,7 @@
 
 `WorkerStreams.open()` returns a `StreamCall`, read like the per-request gRPC call it
 replaces (`read()`, `cancel()`, `add_done_callback`, grpc.RpcError for a failure): the rest
-of the gateway (gateway/decode_stream.py: replays and hand-offs; gateway/responses.py) is
+of the gateway (gateway/decode_stream.py: replays and hand-offs; gateway/completions/answer.py) is
 the same whichever it reads. One task reads the call and hands each stream its part of
 every step's message; one task writes the opens and cancels gathered since its last write
 as one message. The reader never waits for a stream's consumer (its client may be slow):

@@ -169,7 +169,7 @@ def test_the_gateway_and_rpc_load_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, gateway.app, gateway.__main__, gateway.router, rpc.convert, common.model_source; "
+    code = ("import sys, gateway.app, gateway.__main__, gateway.routing.router, rpc.convert, common.model_source; "
             "print(sorted(m for m in ('torch', 'engine', 'kernels') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

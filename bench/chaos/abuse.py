@@ -17,7 +17,7 @@ from bench.chaos.client import auth, client, completion, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Result
 from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL
-from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
+from gateway.front_door.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 BURST = 96  # streams sent at once by one tenant, each of BURST_TOKENS: their slots stay held a while
 BURST_TOKENS = 32

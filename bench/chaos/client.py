@@ -13,7 +13,7 @@ import httpx
 
 from bench.chaos.report import Outcome, Record
 from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL, RECOVERY_TIMEOUT_S, TOKENS
-from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
+from gateway.front_door.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S as KEEPALIVE_EXPIRY_S
 
 # The tenant of every scenario's requests unless it names another: in the shared deployment's
 # tenants file with no limit of its own, as the open gateway's one tenant (what the decode

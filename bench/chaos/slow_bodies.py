@@ -1,8 +1,8 @@
 """Slow bodies from one address: connections that send a request head with a Content-Length,
 then one body byte every few seconds, more of them than the gateway's per-address cap
-(`--max-connections-per-ip`, gateway/per_ip_cap.py). Past the gateway's short grace they are
+(`--max-connections-per-ip`, gateway/front_door/per_ip_cap.py). Past the gateway's short grace they are
 stalled and count: those past the cap must get a 429 JSON answer (or be closed) then; those
-under it a 408 at the body's whole deadline (gateway/body_limit.py); and every other address
+under it a 408 at the body's whole deadline (gateway/front_door/body_limit.py); and every other address
 is served meanwhile."""
 
 from __future__ import annotations

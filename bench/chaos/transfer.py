@@ -16,7 +16,7 @@ from bench.chaos.client import client, completion, recover, send
 from bench.chaos.context import Chaos, settle
 from bench.chaos.report import Outcome, Record, Result
 from bench.serving import percentile
-from gateway.router import Router
+from gateway.routing.router import Router
 
 
 async def _remote_tokens(ctx: Chaos) -> int:

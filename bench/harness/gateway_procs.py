@@ -16,7 +16,7 @@ import httpx
 import psutil
 
 from bench.harness.worker_procs import REPO, free_port
-from gateway.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S
+from gateway.front_door.head_deadline import CLIENT_KEEPALIVE_EXPIRY_S
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -110,7 +110,7 @@ class _Sim:
     def __init__(self, profile: Profile, pools: Pools, max_num_seqs: int, seed: int = 0):
         # The engine's scheduler imports torch (engine.config): not for every importer of Pools.
         from engine.config import SchedulerConfig
-        from gateway.router import Router
+        from gateway.routing.router import Router
 
         from deploy.planner.sim_worker import SIM_TOKEN, SimWorker, StepShape, sim_prompt
 

@@ -226,7 +226,7 @@ def test_an_sse_event_stays_one_line_whatever_the_text_holds(text):
     whose JSON gives the text back (a streamed completion broke on U+2028 before)."""
     from httpx._decoders import LineDecoder
 
-    from gateway.responses import _data
+    from gateway.completions.answer import _data
 
     event = _data({"choices": [{"index": 0, "text": text}]})
     decoder = LineDecoder()

@@ -92,7 +92,7 @@ def test_a_body_that_trickles_in_gets_408_at_its_whole_deadline(system, smollm2_
     allowed (here 1 s + 4096 B at 16 KiB/s = 1.25 s): it cannot hold a connection forever."""
     import socket
 
-    from gateway.body_limit import MIN_BODY_BYTES_PER_S
+    from gateway.front_door.body_limit import MIN_BODY_BYTES_PER_S
 
     _, prefill, decode = system
     with gateway(smollm2_dir, [decode.address], [prefill.address], tmp_path / "gateway.log",

@@ -14,7 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from common.tokenizer import Tokenizer
-from gateway import responses
+from gateway.completions import answer as completion_answer
 from rpc import pdserve_pb2 as pb
 
 STEPS, TOP = 2000, 20  # n=1 at 2000 tokens x 20 alternatives: 42,000 entries, under the 131,072 bound
@@ -46,8 +46,8 @@ def _steps(seed: int) -> list[list[pb.TokenLogprobs]]:
 async def _events(steps: list[list[pb.TokenLogprobs]]):
     """The decode worker's stream of those steps, read one message at a time."""
     for i, step in enumerate(steps):
-        yield responses.Text("ab", "length" if i == len(steps) - 1 else None, step)
-    yield responses.Usage({"prompt_tokens": 3, "completion_tokens": len(steps), "total_tokens": len(steps) + 3})
+        yield completion_answer.Text("ab", "length" if i == len(steps) - 1 else None, step)
+    yield completion_answer.Usage({"prompt_tokens": 3, "completion_tokens": len(steps), "total_tokens": len(steps) + 3})
 
 
 def _reference(kind: str, tokenizer: Tokenizer, entries: list[pb.TokenLogprobs]) -> dict:
@@ -73,7 +73,7 @@ def _dumps(obj) -> bytes:  # as the JSON response renders it
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_the_body_is_the_one_rendered_at_the_end_and_the_official_client_parses_it(tokenizer, kind):
     steps = _steps(1)
-    answer = asyncio.run(responses.collect(kind, _events(steps), "cmpl-1", _Body, "smollm2", tokenizer))
+    answer = asyncio.run(completion_answer.collect(kind, _events(steps), "cmpl-1", _Body, "smollm2", tokenizer))
     want = _reference(kind, tokenizer, [e for step in steps for e in step])
     assert _dumps(answer["choices"][0]["logprobs"]) == _dumps(want)
     parsed = (ChatCompletion if kind == "chat" else Completion).model_validate_json(_dumps(answer))
@@ -92,7 +92,7 @@ def test_building_the_body_holds_it_about_once(tokenizer, kind):
     events = _events(_steps(2))  # the workers' messages exist before: only the building is measured
     tracemalloc.start()
     try:
-        answer = asyncio.run(responses.collect(kind, events, "cmpl-1", _Body, "smollm2", tokenizer))
+        answer = asyncio.run(completion_answer.collect(kind, events, "cmpl-1", _Body, "smollm2", tokenizer))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

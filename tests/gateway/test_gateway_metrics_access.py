@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from gateway.app import GatewayConfig, create_app
-from gateway.metrics_access import metrics_refusal
-from gateway.trusted_proxies import Relay
+from gateway.front_door.metrics_access import metrics_refusal
+from gateway.front_door.trusted_proxies import Relay
 
 TOKEN = "admin-token-for-the-test"
 REMOTE = "203.0.113.7"  # a documentation address: another machine

@@ -17,8 +17,8 @@ import pytest
 from bench.harness.gateway_procs import gateway
 from bench.harness.sse_streams import open_streams
 from bench.harness.worker_procs import start_workers, wait_until
-from gateway.per_ip_cap import PerIpCap
-from gateway.trusted_proxies import TrustedProxies
+from gateway.front_door.per_ip_cap import PerIpCap
+from gateway.front_door.trusted_proxies import TrustedProxies
 
 CAP = 3
 OTHER_IP = "127.0.0.2"  # loopback too (127.0.0.0/8): a second client address on one host

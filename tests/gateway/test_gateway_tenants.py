@@ -19,7 +19,7 @@ from bench.harness.gateway_procs import CHAT, gateway, metric_value, raw_post
 from bench.harness.tiny_models import write_tiny_checkpoint
 from bench.harness.worker_procs import REPO, start_workers, wait_idle, wait_until
 from gateway.errors import APIError
-from gateway.router import Router
+from gateway.routing.router import Router
 from gateway.tenants import STARTUP_SEQUENCES, Tenant, Tenants
 
 

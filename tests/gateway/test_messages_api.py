@@ -15,8 +15,8 @@ import pytest
 
 from bench.harness.gateway_procs import data_lines, gateway
 from bench.harness.worker_procs import wait_idle, wait_until
-from gateway.messages_protocol import MessagesRequest
-from gateway.messages_request import chat_request
+from gateway.messages.protocol import MessagesRequest
+from gateway.messages.request import chat_request
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -1,5 +1,5 @@
 """A streamed chat answer rewritten as the Responses API's events
-(gateway/openai_responses_answer.py), from chat chunks made up here: every stream that
+(gateway/responses/answer.py), from chat chunks made up here: every stream that
 began ends in response.completed, .incomplete or .failed; a failed one first closes the
 text part and message item it opened and carries the items it sent; a stored answer is
 stored before its last event."""
@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from gateway.openai_responses_answer import response_events
-from gateway.openai_responses_protocol import ResponsesRequest
+from gateway.responses.answer import response_events
+from gateway.responses.protocol import ResponsesRequest
 
 BODY = ResponsesRequest.model_validate({"model": "smollm2", "input": "Hi", "stream": True})
 USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}

@@ -1,4 +1,4 @@
-"""A Responses request as the chat request it means (gateway/openai_responses_request.py),
+"""A Responses request as the chat request it means (gateway/responses/request.py),
 without a gateway: input items in order, what is refused and what is not, and errors
 naming the Responses API's field in their `param` and their message alike."""
 
@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.errors import APIError
-from gateway.openai_responses_protocol import ResponsesRequest
-from gateway.openai_responses_request import chat_request, invalid_chat_request, responses_error
-from gateway.protocol import ChatCompletionRequest, ChatMessage
+from gateway.responses.protocol import ResponsesRequest
+from gateway.responses.request import chat_request, invalid_chat_request, responses_error
+from gateway.completions.protocol import ChatCompletionRequest, ChatMessage
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

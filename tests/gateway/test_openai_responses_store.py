@@ -1,5 +1,5 @@
-"""The Responses API's store of answers (gateway/openai_responses_store.py and its folder
-backing, gateway/openai_responses_folder_store.py), without a gateway: tenants kept apart,
+"""The Responses API's store of answers (gateway/responses/store.py and its folder
+backing, gateway/responses/folder_store.py), without a gateway: tenants kept apart,
 the age and byte bounds, a tenant's share of the bytes that another cannot take, the
 folder shared by processes, and the event loop's reads and writes done on a thread."""
 
@@ -12,9 +12,9 @@ import threading
 import pytest
 
 from gateway.errors import APIError
-from gateway.openai_responses_folder_store import STALE_TEMP_S, FolderStore
-from gateway.openai_responses_store import MemoryStore
-from gateway.protocol import ChatMessage
+from gateway.responses.folder_store import STALE_TEMP_S, FolderStore
+from gateway.responses.store import MemoryStore
+from gateway.completions.protocol import ChatMessage
 
 BACKINGS = {"memory": lambda folder, clock, max_bytes=2000: MemoryStore(max_bytes, 60, clock),
             "folder": lambda folder, clock, max_bytes=2000: FolderStore(folder, max_bytes, 60, clock=clock)}

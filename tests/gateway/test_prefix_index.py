@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from common.block_hash import block_hashes
 from common.kv_events import KVEventsSince
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.prefix_index import PrefixIndex
 
 PROMPT = list(range(64))
 HASHES = block_hashes(PROMPT, 16)  # 4 blocks

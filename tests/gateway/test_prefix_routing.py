@@ -15,7 +15,7 @@ import pytest
 
 from bench.harness.gateway_procs import gateway
 from bench.harness.worker_procs import free_port, start_workers
-from gateway.router import Router
+from gateway.routing.router import Router
 
 ARGS = ["--dtype", "float32", "--kv-blocks", "512"]
 VOCAB = 49152

@@ -8,7 +8,7 @@ import asyncio
 
 from gateway.admission import Admission
 from gateway.readiness import Readiness
-from gateway.router import Router
+from gateway.routing.router import Router
 from rpc import pdserve_pb2 as pb
 
 

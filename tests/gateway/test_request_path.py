@@ -15,7 +15,7 @@ from gateway.admission import Admission
 from gateway.app import GatewayConfig
 from gateway.errors import APIError
 from gateway.request_path import Claims, RequestPath
-from gateway.router import Router, WorkerState
+from gateway.routing.router import Router, WorkerState
 from gateway.tenants import Tenant
 from rpc import pdserve_pb2 as pb
 

@@ -1,4 +1,4 @@
-"""The gateway's one retry policy (gateway/retry_budget.py, gateway/circuit_breaker.py): its
+"""The gateway's one retry policy (gateway/retry_budget.py, gateway/routing/circuit_breaker.py): its
 own retries drawn from one budget that all its processes share, a breaker per decode worker
 that takes one failing in a row out of routing until a probe gets through, and a Retry-After
 on every 429/503 from what it measures. The request path is driven over stand-in workers
@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from gateway.admission import Admission
-from gateway.circuit_breaker import CircuitBreaker, State
+from gateway.routing.circuit_breaker import CircuitBreaker, State
 from gateway.errors import APIError
 from gateway.retry_budget import RetryBudget
 from gateway.tenant_table import TenantTable

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.router import OVERLOAD_TOKENS, Router
+from gateway.routing.router import OVERLOAD_TOKENS, Router
 
 PREFILL = [f"10.0.0.{i}:50051" for i in range(1, 5)]
 

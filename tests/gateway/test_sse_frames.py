@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.responses import _data, _TextFrames
+from gateway.completions.answer import _data, _TextFrames
 
 BASE = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1764950000, "model": "smollm2"}
 TEXTS = ["hi", ' "quoted"\n', "tab\tback\\slash", "\u2028line\u2029sep\x85", "é😀", "\x00nul", ""]

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from common.tokenizer import Tokenizer
-from gateway.protocol import MAX_STOP_CHARS, CompletionRequest
+from gateway.completions.protocol import MAX_STOP_CHARS, CompletionRequest
 from gateway.text_stream import TextStream
 
 TEXT = ("The sea is wide and the ships are many. A sailor said: the end is near, the end! "

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from common.tokenizer import Tokenizer
-from gateway.tools import FunctionSpec, ToolPlan
+from gateway.completions.tools import FunctionSpec, ToolPlan
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -111,7 +111,7 @@ def test_auto_shows_a_tools_template_the_tools_and_parses_hermes_calls(smollm2_d
     (folder / "chat_template.jinja").write_text(HERMES_TEMPLATE)
     tok = Tokenizer.from_pretrained(folder)
     assert tok.renders_tools and not Tokenizer.from_pretrained(smollm2_dir).renders_tools
-    from gateway.tools import Tool
+    from gateway.completions.tools import Tool
 
     plan = ToolPlan.of([Tool.model_validate(t) for t in TOOLS], None, None, tok.renders_tools)
     assert plan.mode == "auto" and plan.grammar is None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from engine.kv_events import KVEventBatch
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.prefix_index import PrefixIndex
 from rpc import pdserve_pb2 as pb
 from rpc.convert import kv_events_from_pb, kv_events_to_pb
 from worker.kv_event_log import RESYNC_PAGE, KVEventLog

@@ -3,7 +3,7 @@ headroom for the prompt (its outstanding tokens plus the prompt tokens it would 
 past the prefix it holds cached; a sibling holding more of the prefix is named as the
 chosen worker's prefix source), and the prefill workers ranked by how much of the
 prompt's prefix each holds cached (the prefix index the workers' KV events feed:
-gateway/prefix_index.py), then by rendezvous hash of the prompt's first full blocks, so a
+gateway/routing/prefix_index.py), then by rendezvous hash of the prompt's first full blocks, so a
 shared system prompt the index knows nothing of yet keeps landing on the same prefill
 worker, unless that worker's queue is much longer than the least-loaded one's: then the
 least-loaded goes first."""
@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 from common.block_hash import block_hashes
 from gateway import metrics
-from gateway.circuit_breaker import CircuitBreaker
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.circuit_breaker import CircuitBreaker
+from gateway.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ peer is attributed to the peer, whatever headers it sends. With no trusted proxy
 default) forwarding headers are never believed.
 
 What is attributed this way: the per-address cap on stalled connections
-(gateway/head_deadline.py), the ASGI scope's `client` (logs, /metrics access) and whether a
-request came through a proxy at all (gateway/metrics_access.py: a proxied request never gets
+(gateway/front_door/head_deadline.py), the ASGI scope's `client` (logs, /metrics access) and whether a
+request came through a proxy at all (gateway/front_door/metrics_access.py: a proxied request never gets
 the loopback exemption its proxy's address would).
 """
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.tools import Tool, ToolChoice
+from gateway.completions.tools import Tool, ToolChoice
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # per stop string: what is held back of the text (and searched) is this long at most
@@ -105,7 +105,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls (gateway/tools.py)
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (gateway/completions/tools.py)
     tool_call_id: str | None = None  # a tool result: the call it answers
 
     def text(self) -> str:

@@ -19,8 +19,8 @@ import grpc
 from common import trace
 from common.tokenizer import Tokenizer
 from gateway.errors import APIError
-from gateway.logprobs import Logprobs
-from gateway.logprobs import render as render_logprobs
+from gateway.completions.logprobs import Logprobs
+from gateway.completions.logprobs import render as render_logprobs
 from gateway.metrics import (
     COMPLETION_TOKENS,
     E2E,
@@ -33,7 +33,7 @@ from gateway.metrics import (
     TPOT,
 )
 from gateway.text_stream import TextStream
-from gateway.tools import ToolPlan
+from gateway.completions.tools import ToolPlan
 from rpc import pdserve_pb2 as pb
 
 _FINISH = {pb.STOP: "stop", pb.LENGTH: "length", pb.ABORT: "abort", pb.ERROR: "error"}
@@ -272,7 +272,7 @@ async def collect_all(kind, choices: list[AsyncIterator[Event]], rid, body, mode
 async def collect(kind, events: AsyncIterator[Event], rid, body, model_name: str, tokenizer: Tokenizer,
                   tools: ToolPlan | None = None) -> dict:
     """The whole answer as one chat.completion / text_completion object; an error event is a 503.
-    Logprobs go into the answer's shape as each step brings them (gateway/logprobs.py)."""
+    Logprobs go into the answer's shape as each step brings them (gateway/completions/logprobs.py)."""
     text, finish, usage, logprobs, calls = [], None, None, Logprobs(kind, tokenizer), None
     stop_reason = None  # the stop string that ended it, if one did
     if tools is not None:

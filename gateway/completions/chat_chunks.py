@@ -1,6 +1,6 @@
 """The chat path's streamed answer read back as objects, by the answers that rewrite it
-(Anthropic's events, gateway/messages_answer.py; OpenAI's Responses events,
-gateway/openai_responses_answer.py)."""
+(Anthropic's events, gateway/messages/answer.py; OpenAI's Responses events,
+gateway/responses/answer.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which worker holds how much of a prompt's prefix: the gateway's index of the prefix-cache
 block hashes each worker published (their Stats' KV events: worker/kv_event_log.py), which
-the router ranks workers by (gateway/router.py).
+the router ranks workers by (gateway/routing/router.py).
 
 Hashes are common/block_hash.py's chained hashes under the request's cache salt, the same
 the workers' pools find blocks by: a tenant's salted prompt never matches another tenant's

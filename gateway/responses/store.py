@@ -23,7 +23,7 @@ One interface, two backings, as the gateway runs:
 
 - `MemoryStore`, a lone gateway process (`--processes 1`): the entries in its memory. It
   has no folder to share, and needs none; a restart forgets them all.
-- `FolderStore` (gateway/openai_responses_folder_store.py), the processes of one gateway
+- `FolderStore` (gateway/responses/folder_store.py), the processes of one gateway
   (`--processes N`): one file per entry in the front process's shared folder.
 
 `put` and `get` are the backing's, called as they are by a script or a test; the gateway's
@@ -42,9 +42,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.errors import APIError
-from gateway.openai_responses_protocol import FunctionCall, Message
-from gateway.openai_responses_request import item_messages
-from gateway.protocol import ChatMessage
+from gateway.responses.protocol import FunctionCall, Message
+from gateway.responses.request import item_messages
+from gateway.completions.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 What this server does not serve is refused, not ignored: every model forbids keys it does
 not list, so an unknown field, an `input_image` part or an `item_reference` is a 400 that
 names it. A few fields OpenAI's clients send are listed so that their refusal says why
-(gateway/openai_responses_request.py): `reasoning`, `background`, `include`,
+(gateway/responses/request.py): `reasoning`, `background`, `include`,
 `conversation` and a built-in tool (`web_search`, `file_search`, ...).
 
 `input` may be a string (one user message) or a list of items: messages (a role and a
@@ -27,8 +27,8 @@ from pydantic import (
     model_validator,
 )
 
-from gateway.protocol import INT32_MAX
-from gateway.tools import MAX_TOOLS
+from gateway.completions.protocol import INT32_MAX
+from gateway.completions.tools import MAX_TOOLS
 
 MAX_METADATA_PAIRS = 16  # OpenAI's bound: 16 pairs, keys up to 64 characters, values up to 512
 MetadataKey = Annotated[str, Field(max_length=64)]
@@ -167,7 +167,7 @@ class TextConfig(_Strict):
 
 
 class ResponsesRequest(_Strict):
-    """The body of `POST /v1/responses`; gateway/openai_responses_request.py makes it a chat request."""
+    """The body of `POST /v1/responses`; gateway/responses/request.py makes it a chat request."""
     model: str
     input: Annotated[list[InputItem], BeforeValidator(_as_items, json_schema_input_type=str | list[InputItem])]
     instructions: str | None = None
@@ -185,7 +185,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=MAX_METADATA_PAIRS)  # echoed back
     user: str | None = Field(None, max_length=256)
     truncation: Literal["disabled"] | None = None  # "auto" (drop old items to fit) is not served
-    # Refused with a reason when set (gateway/openai_responses_request.py):
+    # Refused with a reason when set (gateway/responses/request.py):
     reasoning: dict | None = None
     background: bool | None = None
     include: list[str] | None = None

@@ -2,7 +2,7 @@
 
 With both set, every gateway process serves its client socket over TLS alone: a plain HTTP
 request there fails the handshake and is closed. The admin socket (loopback only, the
-deploy controller's membership pushes, its own token: gateway/admin_listener.py) stays
+deploy controller's membership pushes, its own token: gateway/front_door/admin_listener.py) stays
 plain, so uvicorn's one-context-for-every-socket is not used as is: `Server` starts the
 client sockets with the context and the admin socket without.
 

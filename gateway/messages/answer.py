@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.chat_chunks import chat_chunks
+from gateway.completions.chat_chunks import chat_chunks
 from gateway.errors import APIError
 from gateway.served import served_headers
 

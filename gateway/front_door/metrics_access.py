@@ -11,7 +11,7 @@ off-loopback /metrics answers such callers 403 and says how to open it.
 A request relayed by a proxy (it carries X-Forwarded-For, Forwarded or X-Real-IP) gets
 neither exemption from its proxy's address: a gateway bound to loopback behind a same-host
 proxy would otherwise serve the scrape to anyone the proxy lets in. Through a trusted proxy
-(`--forwarded-allow-ips`, gateway/trusted_proxies.py) the address the proxy names decides,
+(`--forwarded-allow-ips`, gateway/front_door/trusted_proxies.py) the address the proxy names decides,
 as a direct peer's would; through any other, the token is needed.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hmac
 
 from gateway.errors import APIError
-from gateway.trusted_proxies import Relay
+from gateway.front_door.trusted_proxies import Relay
 from rpc.auth import is_loopback
 
 

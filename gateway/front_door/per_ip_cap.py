@@ -7,7 +7,7 @@ every slot for as long as those deadlines allow, and everyone else would get 503
 per address what is stalled, and refusing past a cap, leaves the other addresses their
 slots: one address holds at most the cap in its slow phase, however slowly it sends.
 Requests that arrive within the grace (a burst of fast ones) and requests already received
-(streams being answered) do not count (gateway/head_deadline.py decides what is stalled).
+(streams being answered) do not count (gateway/front_door/head_deadline.py decides what is stalled).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ usage) is `response.failed`, after the open text part and message item are done 
 `response.created`. So every stream that began ends in one of the three.
 
 `await keep(response)`, when given, stores a finished response (completed or incomplete)
-before it is sent: the store's (gateway/openai_responses_store.py).
+before it is sent: the store's (gateway/responses/store.py).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.chat_chunks import chat_chunks
+from gateway.completions.chat_chunks import chat_chunks
 from gateway.errors import APIError
-from gateway.openai_responses_protocol import NamedFunction, ResponsesRequest
-from gateway.openai_responses_store import Keep
+from gateway.responses.protocol import NamedFunction, ResponsesRequest
+from gateway.responses.store import Keep
 from gateway.served import served_headers
 
 _FINISHED = ("stop", "length", "tool_calls")

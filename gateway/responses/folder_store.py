@@ -1,5 +1,5 @@
 """Stored responses as files in a folder the processes of one gateway share (`--processes
-N`), the backing of gateway/openai_responses_store.py's interface that they use.
+N`), the backing of gateway/responses/store.py's interface that they use.
 
     store = FolderStore(folder, max_bytes, max_age_s, processes)
 
@@ -30,14 +30,14 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from gateway.openai_responses_store import (
+from gateway.responses.store import (
     DEFAULT_MAX_AGE_S,
     DEFAULT_MAX_BYTES,
     ResponseStore,
     StoredResponse,
     encode,
 )
-from gateway.protocol import ChatMessage
+from gateway.completions.protocol import ChatMessage
 
 log = logging.getLogger(__name__)
 

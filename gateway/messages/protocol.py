@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from gateway.protocol import INT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS
-from gateway.tools import MAX_TOOLS
+from gateway.completions.protocol import INT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from gateway.completions.tools import MAX_TOOLS
 
 
 class _Strict(BaseModel):
@@ -110,7 +110,7 @@ class Metadata(_Strict):
 
 
 class MessagesRequest(_Strict):
-    """The body of `POST /v1/messages`; gateway/messages_request.py makes it a chat request."""
+    """The body of `POST /v1/messages`; gateway/messages/request.py makes it a chat request."""
     model: str
     max_tokens: int = Field(ge=1, le=INT32_MAX)
     messages: list[InputMessage] = Field(min_length=1)

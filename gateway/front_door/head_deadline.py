@@ -5,12 +5,12 @@ client sends cancels its keep-alive timer: a few hundred connections that each t
 byte now and then hold every `--max-connections` slot for as long as they like. Here each
 connection gets `head_timeout_s` from the moment it opens, or from the end of its last
 response, to deliver a complete request head; past it the gateway answers 408 and closes.
-Once a head is in, the body has its own bound (`--body-timeout`, gateway/body_limit.py);
+Once a head is in, the body has its own bound (`--body-timeout`, gateway/front_door/body_limit.py);
 a request answered before its body was all in (that 408, a 413) has its connection closed
 with the answer, since the rest of the body would be read with no deadline.
 
 Deadlines bound how long one connection can be held; `--max-connections-per-ip` bounds how
-many one client address holds *stalled* while they run (gateway/per_ip_cap.py). A request
+many one client address holds *stalled* while they run (gateway/front_door/per_ip_cap.py). A request
 whose head and body arrive within `stall_grace_s` (from the connection's opening, or from
 the first byte of its next request) never counts: a burst of a thousand fast requests from
 one address (every client behind an L7 proxy has the proxy's address) is served whole. One
@@ -21,7 +21,7 @@ answer in flight), then closed. A slow client holds at most the cap's worth of s
 the grace, however slowly it sends.
 
 The address is the peer's, or for a request from a trusted proxy (`--forwarded-allow-ips`,
-gateway/trusted_proxies.py) the one its X-Forwarded-For names, once its head is in: a
+gateway/front_door/trusted_proxies.py) the one its X-Forwarded-For names, once its head is in: a
 proxy's stalled heads are not counted against the proxy's address (a proxy sends a head it
 has already received whole; the head deadline still bounds it).
 
@@ -39,8 +39,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.errors import error_body
-from gateway.per_ip_cap import PerIpCap
-from gateway.trusted_proxies import TrustedProxies
+from gateway.front_door.per_ip_cap import PerIpCap
+from gateway.front_door.trusted_proxies import TrustedProxies
 
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
 # What a client of the gateway should expire its idle connections after: well below

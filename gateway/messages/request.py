@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from gateway.errors import APIError
-from gateway.messages_protocol import (
+from gateway.messages.protocol import (
     MessagesRequest,
     ToolChoice,
     ToolChoiceAny,
@@ -34,9 +34,9 @@ from gateway.messages_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from gateway.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
-from gateway.tools import FunctionSpec, NamedFunction, NamedToolChoice, Tool
-from gateway.tools import ToolChoice as ChatToolChoice
+from gateway.completions.protocol import ChatCompletionRequest, ChatMessage, StreamOptions
+from gateway.completions.tools import FunctionSpec, NamedFunction, NamedToolChoice, Tool
+from gateway.completions.tools import ToolChoice as ChatToolChoice
 
 
 def chat_request(body: MessagesRequest, template_renders_tools: bool) -> ChatCompletionRequest:

@@ -11,7 +11,7 @@ import json
 
 from common.grammar_spec import JSON_OBJECT, Grammar, GrammarError
 from gateway.errors import APIError
-from gateway.protocol import ResponseFormat
+from gateway.completions.protocol import ResponseFormat
 
 
 def grammar_of(response_format: ResponseFormat | None) -> Grammar | None:

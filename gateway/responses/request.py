@@ -20,7 +20,7 @@ path's own (gateway/request_path.py). What maps:
   (with the usage, which `response.completed` carries).
 
 `conversation` is `history` and the input's messages: what a stored answer keeps, with its
-output items after them (gateway/openai_responses_store.py).
+output items after them (gateway/responses/store.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from gateway.errors import APIError
-from gateway.openai_responses_protocol import (
+from gateway.responses.protocol import (
     BuiltInTool,
     FunctionCall,
     FunctionCallOutput,
@@ -40,15 +40,15 @@ from gateway.openai_responses_protocol import (
     NamedFunction,
     ResponsesRequest,
 )
-from gateway.protocol import (
+from gateway.completions.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
     ResponseFormat,
     StreamOptions,
 )
-from gateway.tools import FunctionSpec, NamedToolChoice, Tool
-from gateway.tools import NamedFunction as ChatNamedFunction
+from gateway.completions.tools import FunctionSpec, NamedToolChoice, Tool
+from gateway.completions.tools import NamedFunction as ChatNamedFunction
 
 # The chat path's parameter names where the Responses API has its own: an error the chat
 # request or path raises is said in the Responses API's words (responses_name).
