@@ -71,7 +71,7 @@ class Controller:
         self.loop: threading.Thread | None = None
         self.planner_loop: threading.Thread | None = None
         self.planner = PlannerLoop(cfg.planner, lambda: self.gateway.url, self.membership.sizes, self.scale,
-                                   self._event, self.stopping, self.gateway.front_door.tls)
+                                   self._event, self.stopping, self.gateway.tls)
 
     def start(self) -> dict:
         """Start the gateway and both pools; return when every worker is ready."""
