@@ -44,10 +44,10 @@ for _when in ("before_first_token", "mid_stream", "handed_off"):
     RETRIES.labels(_when)
 RETRY_BUDGET = Counter("pdserve_retry_budget", "The gateway's own retries against its retry budget "
                        "(gateway/retry_budget.py), by kind (before_first_token, mid_stream, handed_off) and outcome: "
-                       "spent (retried) or refused (the budget was spent: the request ended with its failure)",
+                       "spent (room at once), waited (for room), refused (its deadline passed while it waited)",
                        ["kind", "outcome"])
 for _when in ("before_first_token", "mid_stream", "handed_off"):
-    for _outcome in ("spent", "refused"):
+    for _outcome in ("spent", "waited", "refused"):
         RETRY_BUDGET.labels(_when, _outcome)
 PROMPT_TOKENS = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests")
 COMPLETION_TOKENS = Counter("pdserve_completion_tokens", "Output tokens of finished requests")

@@ -82,10 +82,9 @@ class Claims:
                  budget: RetryBudget | None = None):
         self.tenant, self.admission, self.cost, self.prompt_tokens = tenant, admission, cost, prompt_tokens
         self.choices = choices  # sequences on the decode worker: each counts against the tenant's limit
-        self.budget = budget  # None: retries unbounded but per request
+        self.budget = budget  # counts it among the requests in flight (None: no budget)
         self.ticket: Ticket | None = None
         self.worker: WorkerState | None = None
-        self.retried = False  # it counts in the retry budget as a retried request
         self._tenant_held = self._budget_held = self._released = False
 
     def take(self, kv_room: bool) -> None:
@@ -102,13 +101,6 @@ class Claims:
             self.budget.started()
             self._budget_held = True
 
-    def retry(self, kind: str, required: bool = False) -> bool:
-        """Whether the request may be retried (the retry budget: once it was, its further
-        retries are its own); `required`: a hand-off, never refused."""
-        if self.retried or self.budget is None or not self._budget_held:
-            return True
-        self.retried = self.budget.retry(kind, required)
-        return self.retried
 
     def on(self, worker: WorkerState) -> None:
         """The request now counts on `worker` (its cost, and its prompt's KV until it ends)."""
@@ -138,7 +130,7 @@ class Claims:
         if self._tenant_held:
             self.tenant.release(self.cost, self.choices)
         if self._budget_held:
-            self.budget.ended(self.retried)
+            self.budget.ended()
         if self.ticket is not None:
             self.admission.first_token(self.ticket, served=False)  # a no-op once it was served
 
@@ -308,10 +300,13 @@ class RequestPath:
         worker and a sibling holding more of the prefix than it (its prefix source), from
         one look-up of the prompt's block hashes (`hashes`) in the prefix index."""
         base, tried = req.request_id, []
+        retrying = False  # this try is a retry: it holds room in the retry budget until its answer
         while True:
             try:
                 route = self.router.route(req.prompt_token_ids, req.cache_salt, hashes, exclude=set(tried))
             except NoWorker:
+                if retrying:
+                    self.budget.release()
                 REQUESTS.labels(endpoint, "503").inc()
                 raise APIError(503, "no decode worker is available", headers={"Retry-After": "1"}) from None
             worker, source = route.decode, route.prefix_source
@@ -326,7 +321,12 @@ class RequestPath:
             calls: list[DecodeStream] = []
             try:
                 reopen = functools.partial(self._reopen, claims=claims, deadline=deadline)
-                opened = await self._open(worker.address, req, deadline)
+                try:
+                    opened = await self._open(worker.address, req, deadline)
+                finally:
+                    if retrying:
+                        self.budget.release()
+                        retrying = False
                 worker.breaker.succeeded()
                 calls.append(DecodeStream(req, worker.address, *opened, reopen))
                 if n > 1:  # the others once the prompt's KV is on the decode worker: they find it cached there
@@ -343,13 +343,14 @@ class RequestPath:
                     worker.breaker.failed()
                 others = [w for w in self.router.decode if w.address not in tried]
                 if isinstance(e, WorkerUnavailable) and others and len(tried) < MAX_DECODE_ATTEMPTS:
-                    if not claims.retry("before_first_token"):
-                        log.info("request %s: decode worker %s unavailable, and the retry budget is spent: %s",
-                                 req.request_id, worker.address, e.message)
+                    if not await self.budget.acquire("before_first_token", deadline):
+                        log.info("request %s: decode worker %s unavailable, and the retry budget had no room "
+                                 "before its deadline: %s", req.request_id, worker.address, e.message)
                         REQUESTS.labels(endpoint, "503").inc()
                         raise APIError(503, f"decode worker unavailable ({e.message}), and the gateway's retry "
-                                            "budget is spent: too many requests are being retried now",
+                                            "budget had no room for a retry before the request's deadline",
                                        code="retry_budget_spent") from None
+                    retrying = True
                     log.info("request %s: decode worker %s unavailable, retrying on another: %s", req.request_id,
                              worker.address, e.message)
                     worker.healthy = worker.healthy and not e.down
@@ -370,12 +371,15 @@ class RequestPath:
         first of its choices to move takes it), counted on each worker as it is picked: the
         streams of a drained worker, replayed at once, spread over the others instead of all
         picking the one that was least loaded before any of them landed."""
-        hand_off = req.HasField("kv_source")  # a drained worker's: planned, never refused by the budget
-        if not claims.retry("handed_off" if hand_off else "mid_stream", required=hand_off):
-            raise WorkerUnavailable(503, "the gateway's retry budget is spent: too many requests are being "
-                                         "retried now", down=False)
+        hand_off = req.HasField("kv_source")  # a drained worker's: planned, it never waits for the budget
         try:
-            return await self._replay(req, failed, claims, deadline)
+            if not await self.budget.acquire("handed_off" if hand_off else "mid_stream", deadline, required=hand_off):
+                raise WorkerUnavailable(504, "the gateway's retry budget had no room for a replay before the "
+                                             "request's deadline", down=False)
+            try:
+                return await self._replay(req, failed, claims, deadline)
+            finally:
+                self.budget.release()
         except BaseException:
             if hand_off:  # given up: the drained worker lets go of the KV it kept for a taker
                 self._releasing(self.backend.release_kept(req.kv_source.address, req.kv_source.request_id))

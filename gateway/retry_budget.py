@@ -7,34 +7,40 @@ died mid-way is replayed on another, and a drained worker's streams are handed o
 multiply the load on the workers left (the seed's "one client team's aggressive retries
 multiply load on an already-saturated backend", from inside). So, as a service mesh's
 retry budget does (Envoy's `retry_budget`: 20% of the requests active, at least 3), the
-requests being retried may be at most RATIO of the requests in flight, or MINIMUM when
-that is more; past it a retry is refused and the request ends with the failure it met.
+retry attempts under way (from the decision to retry to the new worker's first message or
+failure) may be at most RATIO of the requests in flight, or MINIMUM when that is more.
 
-Counted per request: a request counts as retried from its first retry until it ends, so
-its further retries (bounded per request: MAX_DECODE_ATTEMPTS, MAX_REPLAYS) cost nothing
-more. A hand-off is planned, not a failure: it is counted (it uses the budget others then
-find spent) but never refused, so a drain loses no stream. With several gateway processes
-the counts live in one row of the table they share (gateway/tenant_table.py), so the budget
-is the whole gateway's, exactly. `pdserve_retry_budget_total{kind, outcome}` counts each
-retry spent or refused.
+Past it a retry waits for room, polling the shared count, until its request's deadline; only
+then is it refused (the request ends with the failure it met, a clean error). A worker's
+crash with many streams on it is so spread out in time instead of landing on the others at
+once, and loses no stream: "nothing is lost when the system changes shape" holds, while a
+pool failing every retry sees at most the budget's share in retries at any moment. A
+hand-off is planned, not a failure: it takes its place in the count (others then find the
+budget spent) but never waits. With several gateway processes the counts live in one row
+of the table they share (gateway/tenant_table.py), so the budget is the whole gateway's,
+exactly. `pdserve_retry_budget_total{kind, outcome}` counts each retry: spent at once,
+waited (for room), or refused (its deadline passed while it waited).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
 from gateway.metrics import RETRY_BUDGET
 from gateway.tenant_table import TenantRow
 
-RATIO = 0.2  # requests being retried, at most this share of the requests in flight ...
+RATIO = 0.2  # retry attempts under way, at most this share of the requests in flight ...
 MINIMUM = 3  # ... or this many, whichever is more
+POLL_S = 0.02  # how often a waiting retry looks for room (other processes free it without a signal)
 
 
 class RetryBudget:
     def __init__(self, ratio: float = RATIO, minimum: int = MINIMUM):
         self.ratio, self.minimum = ratio, minimum
-        self.requests = 0  # this process's requests in flight, and those of them retried
-        self.retried = 0
+        self.requests = 0  # this process's requests in flight, and retry attempts under way
+        self.retrying = 0
         self.shared: TenantRow | None = None  # the gateway's processes' row (share)
 
     def share(self, row: TenantRow) -> None:
@@ -46,30 +52,40 @@ class RetryBudget:
         with self._locked():
             self._add(1, 0)
 
-    def ended(self, retried: bool) -> None:
+    def ended(self) -> None:
         with self._locked():
-            self._add(-1, -int(retried))
+            self._add(-1, 0)
 
-    def retry(self, kind: str, required: bool = False) -> bool:
-        """Whether a request in flight, not retried yet, may be (`required`: a hand-off,
-        counted and never refused); counts it as retried if so."""
-        with self._locked():
-            requests, retried = self._totals()
-            if not required and retried + 1 > max(self.minimum, self.ratio * requests):
+    async def acquire(self, kind: str, deadline: float, required: bool = False) -> bool:
+        """Room for one retry attempt, waiting for it until `deadline` (time.monotonic());
+        False when it passed. `required` (a hand-off): taken at once, over the budget if need
+        be. `release` gives the room back once the attempt has its answer."""
+        waited = False
+        while True:
+            with self._locked():
+                requests, retrying = self._totals()
+                if required or retrying + 1 <= max(self.minimum, self.ratio * requests):
+                    self._add(0, 1)
+                    RETRY_BUDGET.labels(kind, "waited" if waited else "spent").inc()
+                    return True
+            if time.monotonic() >= deadline:
                 RETRY_BUDGET.labels(kind, "refused").inc()
                 return False
-            self._add(0, 1)
-        RETRY_BUDGET.labels(kind, "spent").inc()
-        return True
+            waited = True
+            await asyncio.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+    def release(self) -> None:
+        with self._locked():
+            self._add(0, -1)
 
     def _totals(self) -> tuple[int, int]:
-        return self.shared.totals() if self.shared is not None else (self.requests, self.retried)
+        return self.shared.totals() if self.shared is not None else (self.requests, self.retrying)
 
     def _locked(self) -> contextlib.AbstractContextManager:
         return self.shared.locked() if self.shared is not None else contextlib.nullcontext()
 
-    def _add(self, requests: int, retried: int) -> None:
+    def _add(self, requests: int, retrying: int) -> None:
         self.requests += requests
-        self.retried += retried
+        self.retrying += retrying
         if self.shared is not None:
-            self.shared.add(requests, retried)
+            self.shared.add(requests, retrying)

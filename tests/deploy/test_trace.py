@@ -82,8 +82,10 @@ def test_a_disaggregated_request_has_one_timeline_across_its_three_processes(sys
     assert 0 < line.ttft_s <= client_ttft
     kv = _first(line, "decode", "kv_ready").fields
     assert kv["prefill_worker"] == prefill.address and kv["prefill_compute_s"] > 0
-    # How it was served, as its headers said: the same facts, from the gateway's first_token event.
-    assert {f"x-pdserve-{k.replace('_', '-')}": str(v) for k, v in line.served.items()} == served
+    # How it was served, as its headers said: the same facts, from the gateway's first_token
+    # event; the trace names workers by address (the admin side's), the headers by name.
+    names = {decode.address: decode.name, prefill.address: prefill.name}
+    assert {f"x-pdserve-{k.replace('_', '-')}": names.get(str(v), str(v)) for k, v in line.served.items()} == served
     assert line.served["prefill"] == "remote" and line.served["kv_blocks"] == kv["blocks"] > 0
     assert line.served["prefill_worker"] == prefill.address and line.served["decode_worker"] == decode.address
 

@@ -23,8 +23,9 @@ from rpc import pdserve_pb2 as pb
 
 def test_the_budget_is_a_share_of_the_requests_in_flight_across_processes(tmp_path):
     """Two gateway processes on one shared row: ten requests in flight between them allow
-    max(3, 20% of 10) = 3 retried at once, whichever process asks; a hand-off is counted
-    but never refused; an ended retried request gives its share back."""
+    max(3, 20% of 10) = 3 retry attempts at once, whichever process asks; a fourth waits for
+    room (one given back by the other process) instead of failing, and is refused only once
+    its deadline passes; a hand-off takes its place at once, over the budget if need be."""
     TenantTable.create(tmp_path / "counts", rows=2, processes=2)
     budgets = []
     for process in (0, 1):
@@ -33,13 +34,20 @@ def test_the_budget_is_a_share_of_the_requests_in_flight_across_processes(tmp_pa
         budgets.append(budget)
     for i in range(10):
         budgets[i % 2].started()
-    assert [budgets[0].retry("mid_stream"), budgets[1].retry("mid_stream"), budgets[1].retry("before_first_token")] \
-        == [True, True, True]
-    assert not budgets[0].retry("mid_stream") and not budgets[1].retry("before_first_token")
-    assert budgets[0].retry("handed_off", required=True)  # a drain's stream: counted, not refused
-    for budget in budgets:
-        budget.ended(retried=True)  # two retried requests ended: 8 in flight, 2 retried
-    assert budgets[1].retry("mid_stream") and not budgets[0].retry("mid_stream")  # max(3, 1.6) again
+
+    async def attempts() -> None:
+        soon = time.monotonic() + 30
+        assert [await budgets[i % 2].acquire("mid_stream", soon) for i in range(3)] == [True, True, True]
+        assert not await budgets[0].acquire("mid_stream", time.monotonic() + 0.05)  # no room before its deadline
+        waiting = asyncio.ensure_future(budgets[1].acquire("before_first_token", soon))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()  # it waits ...
+        budgets[0].release()  # ... until another process's attempt has its answer
+        assert await asyncio.wait_for(waiting, 5)
+        assert await budgets[0].acquire("handed_off", time.monotonic(), required=True)  # a drain's: at once
+        assert budgets[0].shared.totals() == (10, 4)
+
+    asyncio.run(attempts())
 
 
 def test_a_breaker_opens_after_failures_in_a_row_and_a_probe_closes_it():
@@ -97,17 +105,17 @@ def test_a_worker_that_keeps_failing_is_passed_over_until_its_probe_succeeds():
     assert asyncio.run(serve_one()) == "a" and a.breaker.state is State.CLOSED
 
 
-def test_a_spent_budget_ends_a_replay_with_the_failure_it_met():
+def test_a_replay_with_no_room_before_its_deadline_ends_cleanly_and_a_hand_off_never_waits():
     path = _path(_Backend(), ["a", "b"])
-    path.budget.minimum = 0  # nothing may be retried
+    path.budget.minimum, path.budget.ratio = 0, 0.0  # no room for any retry
     claims = _claimed_on(path, "a")
     with pytest.raises(APIError) as refused:
-        asyncio.run(path._reopen(_replay(), {"a"}, claims, deadline=time.monotonic() + 60))
-    assert refused.value.status == 503 and "retry budget is spent" in refused.value.message
+        asyncio.run(path._reopen(_replay(), {"a"}, claims, deadline=time.monotonic() + 0.1))
+    assert refused.value.status == 504 and "retry budget" in refused.value.message
     handed_off = _replay()
     handed_off.kv_source.address, handed_off.kv_source.request_id = "a", "r"
     address, _, _ = asyncio.run(path._reopen(handed_off, {"a"}, claims, deadline=time.monotonic() + 60))
-    assert address == "b"  # a drain's hand-off is never refused
+    assert address == "b" and path.budget.retrying == 0  # given back once it had its answer
 
 
 def test_a_refusal_says_when_to_come_back_from_the_measured_queue():
