@@ -50,6 +50,21 @@ def internal_token() -> str | None:
     return os.environ.get(INTERNAL_TOKEN) or None
 
 
+INTERNAL_TLS_CA, INTERNAL_TLS_CERT, INTERNAL_TLS_KEY = (
+    "PDSERVE_INTERNAL_TLS_CA", "PDSERVE_INTERNAL_TLS_CERT", "PDSERVE_INTERNAL_TLS_KEY")
+
+
+def internal_tls() -> tuple[bytes, bytes, bytes] | None:
+    """PDSERVE_INTERNAL_TLS_CA, _CERT and _KEY: the deployment's CA, and the certificate and
+    key it signed, PEM (deploy/internal_ca.py); with all three, internal gRPC is mutual TLS
+    (rpc/transport.py). None unless all three are set."""
+    values = [os.environ.get(name) for name in (INTERNAL_TLS_CA, INTERNAL_TLS_CERT, INTERNAL_TLS_KEY)]
+    if not all(values):
+        return None
+    ca, cert, key = (v.encode() for v in values)
+    return ca, cert, key
+
+
 def admin_token() -> str | None:
     """PDSERVE_ADMIN_TOKEN: the bearer token of the gateway's admin listener (the controller
     pushes worker lists with it); unset, the gateway serves the workers on its command line."""

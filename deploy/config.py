@@ -247,6 +247,10 @@ class DeployConfig:
     ready_timeout_s: float = 300.0  # a worker not ready in this time is a failed start
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     internal_token: str | None = None  # the gRPC shared secret; None: a random one per deployment
+    # Mutual TLS on the internal gRPC from a CA the deployment makes at start (rpc/transport.py,
+    # deploy/internal_ca.py): "auto" (default) on when `pdserve serve` joins a cluster (gRPC
+    # crosses nodes), off for an embedded one (every process on one host's loopback); "on", "off".
+    internal_tls: str = "auto"
 
     def __post_init__(self) -> None:
         _require(bool(self.model), "model", "must not be empty")
@@ -256,6 +260,8 @@ class DeployConfig:
         _at_least(self, 0, "health_interval_s", "health_timeout_s", "ready_timeout_s", strict=True)
         _at_least(self, 0, "drain_timeout_s")
         _at_least(self, 1, "unhealthy_after")
+        _require(self.internal_tls in ("auto", "on", "off"), "internal_tls",
+                 f"must be auto, on or off, got {self.internal_tls!r}")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeployConfig:
@@ -274,6 +280,8 @@ class DeployConfig:
 
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "<config>") -> DeployConfig:
+        if isinstance(data, dict) and isinstance(data.get("internal_tls"), bool):  # YAML reads on/off as booleans
+            data = {**data, "internal_tls": "on" if data["internal_tls"] else "off"}
         try:
             return _build(cls, data, "")
         except _Invalid as e:

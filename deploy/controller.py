@@ -32,6 +32,7 @@ from deploy.config import DeployConfig
 from deploy.gateway_link import GatewayLink
 from deploy.health_rounds import HealthRounds
 from deploy.hosts import LOG_ROOT
+from deploy.internal_ca import make_internal_tls
 from deploy.membership import Membership
 from deploy.placement import Placement, quietly, stop_bound_s
 from deploy.planner_loop import PlannerLoop
@@ -56,7 +57,9 @@ class Controller:
         self.admin_token = admin_token
         incarnation = f"controller-{int(time.time() * 1000)}"  # its metrics' series: new ones if it restarts
         self.child_env = {auth.ENV: internal_token}  # every worker and the gateway: the gRPC secret
-        os.environ[auth.ENV] = internal_token  # this process's own channels send it
+        if cfg.internal_tls == "on":  # and the deployment's CA and certificate (rpc/transport.py)
+            self.child_env.update(make_internal_tls().env())
+        os.environ.update(self.child_env)  # this process's own channels send the token, over TLS if on
         self.driver_node = driver_node_id
         self.log_dir = str(LOG_ROOT / time.strftime("%Y%m%d-%H%M%S"))
         self.events: list[str] = []

@@ -187,6 +187,11 @@ def run_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # ray.init installs its own (which exits at once)
         signal.signal(sig, on_signal)
     _say(f"Ray cluster at {ray.get_runtime_context().gcs_address} (pdserve status/scale --address ...)")
+    if config.internal_tls == "auto":  # mutual TLS where gRPC crosses nodes
+        config = config.with_overrides(internal_tls="on" if address else "off")
+    _say("internal gRPC: mutual TLS from a CA made for this deployment" if config.internal_tls == "on" else
+         "internal gRPC: plain, on this host's loopback (internal_tls: on to encrypt it anyway)" if not address else
+         "internal gRPC: plain (internal_tls: off); the internal token is its only check")
     try:
         return _run(ray, config, stop)
     finally:

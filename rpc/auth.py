@@ -18,7 +18,7 @@ import grpc
 from grpc import aio
 
 from common import envs
-from rpc import proof
+from rpc import proof, transport
 
 ENV = envs.INTERNAL_TOKEN
 HEADER = "x-pdserve-token"
@@ -152,7 +152,7 @@ SERVER_OPTIONS = SERVER_KEEPALIVE + MESSAGE_LIMITS  # every worker's server
 def channel(address: str) -> grpc.Channel:
     """A channel to a worker that sends the internal token (if this process has one), once
     the worker has proved it holds it; else its first call raises proof.NotProven."""
-    ch = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    ch = transport.channel(address, CHANNEL_OPTIONS)
     token = internal_token()
     if not token:
         return ch
@@ -174,8 +174,8 @@ def prove(ch: grpc.Channel, timeout_s: float) -> None:
 def aio_channel(address: str) -> aio.Channel:
     token = internal_token()
     if not token:
-        return aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return transport.aio_channel(address, CHANNEL_OPTIONS)
     check = proof.AioProof(token, address)
-    return aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check),
-                                              _AioBidiAuth(token, check)])
+    return transport.aio_channel(address, CHANNEL_OPTIONS,
+                                 interceptors=[_AioUnaryAuth(token, check), _AioStreamAuth(token, check),
+                                               _AioBidiAuth(token, check)])

@@ -19,7 +19,8 @@ import secrets
 import threading
 
 import grpc
-from grpc import aio
+
+from rpc import transport
 
 METHOD = "/pdserve.Identity/Prove"
 NONCE_BYTES = 32
@@ -116,7 +117,7 @@ class Proof:
             if self._proven:
                 return
             nonce = secrets.token_bytes(NONCE_BYTES)
-            with grpc.insecure_channel(self.address) as raw:
+            with transport.channel(self.address, []) as raw:
                 try:
                     reply = raw.unary_unary(METHOD)(nonce, timeout=_bound(timeout))
                 except grpc.RpcError as e:
@@ -147,7 +148,7 @@ class AioProof:
             if self._proven:
                 return
             nonce = secrets.token_bytes(NONCE_BYTES)
-            async with aio.insecure_channel(self.address) as raw:
+            async with transport.aio_channel(self.address, []) as raw:
                 try:
                     reply = await raw.unary_unary(METHOD)(nonce, timeout=_bound(timeout))
                 except grpc.RpcError as e:

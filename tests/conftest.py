@@ -24,11 +24,11 @@ LONGEST_FIRST = (
     "test_drain.py", "test_deploy_security.py", "test_workers.py", "test_deploy_tensor_parallel.py",
     "test_gateway_limits.py",  # 60-110 s
     "test_replay.py", "test_served_by_headers.py", "test_bench_gpu_pd.py", "test_tensor_parallel.py",
-    "test_bench_prefix_reuse.py",  # 35-60 s
+    "test_bench_prefix_reuse.py", "test_gateway_per_ip.py",  # 35-60 s
     "test_planner.py", "test_structured_output.py", "test_gateway_processes.py", "test_gateway_admin.py",
     "test_gguf_convert.py", "test_tensor_parallel_llm.py", "test_role_change.py", "test_parallel_choices.py",
     "test_responses_api.py", "test_messages_api.py", "test_gateway_tenants.py", "test_transfer.py",
-    "test_gateway_faults.py", "test_prefix_fetch.py", "test_prefix_routing.py",  # 15-30 s
+    "test_gateway_faults.py", "test_prefix_fetch.py", "test_prefix_routing.py", "test_disk_tier_worker.py",  # 15-30 s
 )
 
 

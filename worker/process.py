@@ -27,7 +27,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.private_folder import UnsafeFolder
 from rpc import pdserve_pb2_grpc as pb_grpc
-from rpc import proof
+from rpc import proof, transport
 from rpc.auth import SERVER_OPTIONS, ServerAuth, internal_token, require_token_off_loopback
 from transfer import KVLayout, TransferAgent, agent_name
 from worker import kv_disk_folders, rank_metrics
@@ -242,7 +242,7 @@ def serve(worker, add_servicer: Callable[[grpc.Server], None], host: str, port: 
     add_servicer(server)
     changes = RoleChanges(worker, _stop.wake) if role_changes else None
     pb_grpc.add_WorkerServicer_to_server(WorkerService(worker, changes), server)  # TransferInfo, Health, Stats...
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = transport.add_port(server, f"{host}:{port}")  # mutual TLS when the deployment has its CA
     if bound == 0:
         raise SystemExit(f"cannot bind {host}:{port}")
     server.add_generic_rpc_handlers((proof.handler(token, f"{host}:{bound}"),))  # clients check it first

@@ -263,3 +263,13 @@ def test_serve_flags_turn_prefix_routing_off_and_the_disk_tier_on_for_both_pools
     assert new.prefill.kv_disk_dir == new.decode.kv_disk_dir == "/tier"
     args = new.decode.worker_args()
     assert args[args.index("--kv-disk-gib") + 1] == "2.0"
+
+
+def test_internal_tls_takes_yaml_s_on_and_off_and_refuses_anything_else():
+    import yaml
+
+    cases = (("internal_tls: on", "on"), ("internal_tls: off", "off"), ("internal_tls: auto", "auto"), ("", "auto"))
+    for text, want in cases:
+        assert DeployConfig.from_dict(yaml.safe_load(text) or {}).internal_tls == want, text
+    with pytest.raises(ConfigError, match="internal_tls: must be auto, on or off"):
+        DeployConfig.from_dict({"internal_tls": "maybe"})

@@ -6,13 +6,16 @@ its ranks is killed (kill -9) the whole worker is replaced: the stream in flight
 an error event (never a hang), the old group's processes all end, and a new group serves
 again, with its KV again from the prefill worker. The deployment serves over TLS
 (`gateway.ssl_certfile`): the official openai client talks to it over https, as a client
-of the seed's front door would, and plain HTTP on its port is refused."""
+of the seed's front door would, and plain HTTP on its port is refused; and its internal gRPC
+is mutual TLS (`internal_tls: on`, as a deployment across nodes has it): the gateway, the
+controller and the workers talk through it, a plain gRPC client gets nothing from a worker."""
 
 from __future__ import annotations
 
 import os
 import signal
 
+import grpc
 import httpx
 import psutil
 import pytest
@@ -23,6 +26,8 @@ from bench.harness.deploy_procs import CHAT, deployment_status, serving, wait_fo
 from bench.harness.worker_procs import free_port
 from common.sampling_params import SamplingParams
 from engine import LLM
+from rpc import pdserve_pb2 as pb
+from rpc import pdserve_pb2_grpc as pb_grpc
 
 
 def _ranks(worker_pid: int) -> list[psutil.Process]:
@@ -38,7 +43,7 @@ def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_ran
     config = tmp_path / "tp.yaml"
     config.write_text("dtype: float32\nprefill: {replicas: 1, kv_blocks: 256}\n"
                       "decode: {replicas: 1, tp_size: 3, kv_blocks: 256}\n"
-                      f"gateway: {{ssl_certfile: {cert}, ssl_keyfile: {key}}}\n")
+                      f"gateway: {{ssl_certfile: {cert}, ssl_keyfile: {key}}}\ninternal_tls: on\n")
     port = free_port()
     url, log = f"https://127.0.0.1:{port}", tmp_path / "serve.log"
     with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4") as (_, address):
@@ -48,6 +53,12 @@ def test_a_tensor_parallel_decode_worker_serves_and_is_replaced_whole_when_a_ran
         _assert_served_remotely(client, want)
         with pytest.raises(httpx.HTTPError):  # plain HTTP on the port: refused
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert "internal gRPC: mutual TLS" in log.read_text()
+        (prefill,) = deployment_status(address)["pools"]["prefill"]
+        with grpc.insecure_channel(prefill["address"]) as plain:  # no certificate of the deployment's CA
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.WorkerStub(plain).Health(pb.HealthRequest(), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
 
         (before,) = deployment_status(address)["pools"]["decode"]
         ranks = _ranks(before["pid"])
