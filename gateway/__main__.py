@@ -28,6 +28,7 @@ from gateway import metrics, processes
 from gateway.front_door import admin_listener, tls
 from gateway.app import GatewayConfig, create_app
 from gateway.front_door.exposure import OPT_IN_FLAG, open_bind_refusal
+from gateway.front_door.body_limit import MIN_BODY_BYTES_PER_S
 from gateway.front_door.head_deadline import KEEP_ALIVE_S, STALL_GRACE_S, with_head_timeout
 from gateway.metrics import SLO
 from gateway.responses.store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
@@ -184,7 +185,9 @@ def main() -> None:
     if shared is not None and admin is not None:  # a push one process takes reaches the others
         app = SharedMembership(app, shared.membership, admin_port, admin_token)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            http=with_head_timeout(args.header_timeout, per_ip, proxies),
+                            http=with_head_timeout(args.header_timeout, per_ip, proxies,
+                                                   body_deadline_s=args.body_timeout
+                                                   + args.max_body_bytes / MIN_BODY_BYTES_PER_S),
                             loop="asyncio", proxy_headers=False, ssl_certfile=args.ssl_certfile,
                             ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.max_connections,
                             timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=16384)

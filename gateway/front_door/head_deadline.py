@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -60,12 +61,15 @@ _408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-len
        b"request head not received"
 
 
-def _too_many(limit: int, ip: str) -> bytes:
+def _too_many(limit: int, ip: str, retry_after_s: float) -> bytes:
+    """The JSON 429 of an address at its cap; Retry-After: when its first counted connection
+    is cut off by its deadline at the latest."""
     body = json.dumps(error_body(429, f"too many stalled connections from {ip}: requests still being sent more "
                                       f"than {STALL_GRACE_S:g} s after they began (limit {limit})",
                                  code="too_many_connections")).encode()
-    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+    wait = max(1, math.ceil(retry_after_s)) if math.isfinite(retry_after_s) else 1
+    return (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: %d\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (wait, len(body), body))
 
 
 class HeadDeadlineProtocol(H11Protocol):
@@ -73,6 +77,7 @@ class HeadDeadlineProtocol(H11Protocol):
     address's stalled connections (`http=` of its Config)."""
 
     head_timeout_s: float = 10.0
+    body_deadline_s: float = math.inf  # a body's whole bound, from its head (gateway/front_door/body_limit.py)
     stall_grace_s: float = STALL_GRACE_S
     per_ip: PerIpCap | None = None  # shared by every connection of one server
     proxies: TrustedProxies = TrustedProxies()
@@ -83,6 +88,9 @@ class HeadDeadlineProtocol(H11Protocol):
         self._stall_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._counted: str | None = None  # the address this connection counts against now, if it does
+        self._ends_by = math.inf  # ... and when its deadline cuts it off at the latest
+        self._head_deadline = math.inf  # when the head timer fires
+        self._head_done_at: float | None = None  # when the current request's head was in
         self._sending = False  # a request of the client's is under way (opened, or its first bytes came)
         self._lingering = False  # answered and closing: what still comes is dropped unread
         self._arm_head_timer()
@@ -96,6 +104,8 @@ class HeadDeadlineProtocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:  # a whole head has been parsed
             self._cancel(self._head_timer)
+            if self._head_done_at is None:
+                self._head_done_at = self.loop.time()  # its body's whole deadline counts from here
         self._end_once_received()
 
     def eof_received(self) -> bool | None:
@@ -126,6 +136,7 @@ class HeadDeadlineProtocol(H11Protocol):
     def _begin_request(self) -> None:
         """A request is under way: it has `stall_grace_s` to arrive whole before it counts."""
         self._sending = True
+        self._head_done_at = None
         if self.per_ip is not None and self.client is not None:
             self._cancel(self._stall_timer)
             self._stall_timer = self.loop.call_later(self.stall_grace_s, self._stalled)
@@ -151,14 +162,16 @@ class HeadDeadlineProtocol(H11Protocol):
         ip = self.client[0] if in_head else self.proxies.client(self.client[0], self.headers or ())
         if ip is None or (in_head and self.proxies.trusts(ip)):
             return  # a trusted proxy's head: the proxy received it whole; the head deadline bounds it
-        if self.per_ip.enter(ip):
-            self._counted = ip
+        now = self.loop.time()
+        ends_by = self._head_deadline if in_head else (self._head_done_at or now) + self.body_deadline_s
+        if self.per_ip.enter(ip, ends_by):
+            self._counted, self._ends_by = ip, ends_by
         else:
-            self._refuse(_too_many(self.per_ip.limit, ip))
+            self._refuse(_too_many(self.per_ip.limit, ip, self.per_ip.next_free_s(ip, now)))
 
     def _uncount(self) -> None:
         if self._counted is not None:
-            self.per_ip.leave(self._counted)
+            self.per_ip.leave(self._counted, self._ends_by)
             self._counted = None
 
     def _refuse(self, answer: bytes) -> None:
@@ -187,6 +200,7 @@ class HeadDeadlineProtocol(H11Protocol):
     def _arm_head_timer(self) -> None:
         self._cancel(self._head_timer)
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+        self._head_deadline = self.loop.time() + self.head_timeout_s
 
     @staticmethod
     def _cancel(timer: asyncio.TimerHandle | None) -> None:
@@ -205,10 +219,12 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 def with_head_timeout(seconds: float, max_per_ip: int | None = None, proxies: TrustedProxies | None = None,
-                      stall_grace_s: float = STALL_GRACE_S) -> type[HeadDeadlineProtocol]:
+                      stall_grace_s: float = STALL_GRACE_S, body_deadline_s: float = math.inf
+                      ) -> type[HeadDeadlineProtocol]:
     """The protocol class for uvicorn.Config(http=...), with this deadline and, if given, a cap
-    on each address's stalled connections (`proxies`: whose X-Forwarded-For names the address)."""
+    on each address's stalled connections (`proxies`: whose X-Forwarded-For names the address;
+    `body_deadline_s`: a body's whole bound, which says when a stalled body is cut off)."""
     cap = PerIpCap(max_per_ip) if max_per_ip is not None else None
     return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,),
                 {"head_timeout_s": seconds, "per_ip": cap, "proxies": proxies or TrustedProxies(),
-                 "stall_grace_s": stall_grace_s})
+                 "stall_grace_s": stall_grace_s, "body_deadline_s": body_deadline_s})

@@ -87,8 +87,12 @@ def url(smollm2_dir, tmp_path_factory):
 
 
 def _refused(answer: bytes, ip: str = "127.0.0.1") -> None:
-    """A JSON 429 naming the cap and the address, read whole (never a bare close)."""
+    """A JSON 429 naming the cap and the address, read whole (never a bare close), whose
+    Retry-After is when the address's first stalled connection is cut off at the latest:
+    here its body's whole deadline (--body-timeout 600 plus 1 MiB at 16 KiB/s), not a constant."""
     assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+    retry_after = int(answer.split(b"retry-after: ")[1].split(b"\r\n")[0])
+    assert 600 <= retry_after <= 600 + 64, retry_after
     body = json.loads(answer.partition(b"\r\n\r\n")[2])
     assert body["error"]["code"] == "too_many_connections", body
     assert f"(limit {CAP})" in body["error"]["message"] and ip in body["error"]["message"], body
