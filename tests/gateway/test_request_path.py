@@ -14,7 +14,8 @@ import pytest
 from gateway.admission import Admission
 from gateway.app import GatewayConfig
 from gateway.errors import APIError
-from gateway.request_path import Claims, RequestPath
+from gateway.claims import Claims
+from gateway.request_path import RequestPath
 from gateway.routing.router import Router, WorkerState
 from gateway.tenants import Tenant
 from rpc import pdserve_pb2 as pb
