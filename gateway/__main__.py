@@ -64,7 +64,8 @@ def main() -> None:
                     help="longer prompts get 413 (default: the context limit)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     ap.add_argument("--max-connections", type=int, default=1024,
-                    help="connections served at once; past it new ones get 503 at once (bounds file descriptors)")
+                    help="connections served at once; past it a request gets a JSON 503 at once, its Retry-After "
+                         "measured from how fast connections close (bounds file descriptors)")
     ap.add_argument("--max-connections-per-ip", type=int, default=None,
                     help="stalled connections one client address may have: still sending a request (head or body) "
                          f"{STALL_GRACE_S:g} s after it began; past it one more gets a JSON 429 and is closed "
@@ -187,9 +188,10 @@ def main() -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                             http=with_head_timeout(args.header_timeout, per_ip, proxies,
                                                    body_deadline_s=args.body_timeout
-                                                   + args.max_body_bytes / MIN_BODY_BYTES_PER_S),
+                                                   + args.max_body_bytes / MIN_BODY_BYTES_PER_S,
+                                                   max_connections=args.max_connections),
                             loop="asyncio", proxy_headers=False, ssl_certfile=args.ssl_certfile,
-                            ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.max_connections,
+                            ssl_keyfile=args.ssl_keyfile,
                             timeout_keep_alive=KEEP_ALIVE_S, h11_max_incomplete_event_size=16384)
     # the client port (TLS when asked), and the admin socket beside it, plain on loopback
     server = tls.Server(config, plain=[admin] if admin is not None else [])

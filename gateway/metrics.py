@@ -36,6 +36,11 @@ REJECTIONS = Counter("pdserve_rejections", "Requests refused with 429, by reason
                      "kv_headroom, predicted_ttft, worker_queue_full", ["reason"])
 for _reason in ("tenant_concurrency", "tenant_tokens", "kv_headroom", "predicted_ttft", "worker_queue_full"):
     REJECTIONS.labels(_reason)  # every series present (at 0) from the start, as a dashboard expects
+CONNECTION_REFUSALS = Counter("pdserve_connection_refusals", "Requests the front door refused before the app saw them, "
+                              "by reason: max_connections (503, past --max-connections), stalled_per_ip (429, "
+                              "past --max-connections-per-ip stalled connections)", ["reason"])
+for _reason in ("max_connections", "stalled_per_ip"):
+    CONNECTION_REFUSALS.labels(_reason)
 RETRIES = Counter("pdserve_decode_retries", "Requests sent to another decode worker, by when: before_first_token "
                   "(the worker refused it while draining or shutting down, broke, or failed it before any token), "
                   "mid_stream (replayed after the worker died or failed it), handed_off (replayed from a drained "

@@ -40,7 +40,9 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.errors import error_body
+from gateway.front_door.connection_limit import ConnectionTurnover, over_limit, service_unavailable
 from gateway.front_door.per_ip_cap import PerIpCap
+from gateway.metrics import CONNECTION_REFUSALS
 from gateway.front_door.trusted_proxies import TrustedProxies
 
 KEEP_ALIVE_S = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
@@ -81,6 +83,26 @@ class HeadDeadlineProtocol(H11Protocol):
     stall_grace_s: float = STALL_GRACE_S
     per_ip: PerIpCap | None = None  # shared by every connection of one server
     proxies: TrustedProxies = TrustedProxies()
+    max_connections: int | None = None  # --max-connections (gateway/front_door/connection_limit.py)
+    turnover: ConnectionTurnover = ConnectionTurnover(KEEP_ALIVE_S)  # one per server (with_head_timeout)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._app = self.app
+        self.app = self._within_limit  # uvicorn's own limit (a plain-text 503) stays off
+
+    async def _within_limit(self, scope, receive, send) -> None:
+        """The app, unless the server is past --max-connections: then a JSON 503 whose
+        Retry-After is when the connections over the limit close at the rate measured."""
+        excess = 0 if self.max_connections is None else \
+            over_limit(self.max_connections, len(self.connections), len(self.tasks) - 1)
+        if not excess:
+            await self._app(scope, receive, send)
+            return
+        CONNECTION_REFUSALS.labels("max_connections").inc()
+        body, headers = service_unavailable(self.max_connections, self.turnover.wait_s(excess, self.loop.time()))
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -131,6 +153,7 @@ class HeadDeadlineProtocol(H11Protocol):
         for timer in (self._head_timer, self._stall_timer, self._linger_timer):
             self._cancel(timer)
         self._uncount()
+        self.turnover.closed(self.loop.time())
         super().connection_lost(exc)
 
     def _begin_request(self) -> None:
@@ -167,6 +190,7 @@ class HeadDeadlineProtocol(H11Protocol):
         if self.per_ip.enter(ip, ends_by):
             self._counted, self._ends_by = ip, ends_by
         else:
+            CONNECTION_REFUSALS.labels("stalled_per_ip").inc()
             self._refuse(_too_many(self.per_ip.limit, ip, self.per_ip.next_free_s(ip, now)))
 
     def _uncount(self) -> None:
@@ -219,12 +243,14 @@ class HeadDeadlineProtocol(H11Protocol):
 
 
 def with_head_timeout(seconds: float, max_per_ip: int | None = None, proxies: TrustedProxies | None = None,
-                      stall_grace_s: float = STALL_GRACE_S, body_deadline_s: float = math.inf
-                      ) -> type[HeadDeadlineProtocol]:
+                      stall_grace_s: float = STALL_GRACE_S, body_deadline_s: float = math.inf,
+                      max_connections: int | None = None) -> type[HeadDeadlineProtocol]:
     """The protocol class for uvicorn.Config(http=...), with this deadline and, if given, a cap
     on each address's stalled connections (`proxies`: whose X-Forwarded-For names the address;
-    `body_deadline_s`: a body's whole bound, which says when a stalled body is cut off)."""
+    `body_deadline_s`: a body's whole bound, which says when a stalled body is cut off) and
+    on the server's connections (`max_connections`, in place of uvicorn's limit_concurrency)."""
     cap = PerIpCap(max_per_ip) if max_per_ip is not None else None
     return type("HeadDeadlineProtocol", (HeadDeadlineProtocol,),
                 {"head_timeout_s": seconds, "per_ip": cap, "proxies": proxies or TrustedProxies(),
-                 "stall_grace_s": stall_grace_s, "body_deadline_s": body_deadline_s})
+                 "stall_grace_s": stall_grace_s, "body_deadline_s": body_deadline_s,
+                 "max_connections": max_connections, "turnover": ConnectionTurnover(KEEP_ALIVE_S)})
