@@ -109,7 +109,7 @@ async def generate_events(kind, body, rid, call, first, prompt_len, started, fir
                 yield Failed({"message": msg.error.message, "type": "server_error", "param": None,
                               "code": pb.ErrorCode.Name(msg.error.code)})
                 return
-            if delta or finish:
+            if delta or finish or msg.logprobs:  # a token whose text is held back still has its logprobs
                 yield Text(delta, finish, list(msg.logprobs), text.stop_string)
             if finish is not None:
                 status = "ok"

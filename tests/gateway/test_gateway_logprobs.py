@@ -98,3 +98,38 @@ def test_building_the_body_holds_it_about_once(tokenizer, kind):
         tracemalloc.stop()
     body = len(_dumps(answer))
     assert peak < 2.75 * body, (peak, body, peak / body)
+
+
+class _Call:
+    """A decode worker's messages for one stream, read one at a time."""
+
+    def __init__(self, messages: list[pb.GenerateResponse]):
+        self._rest = iter(messages)
+
+    async def read(self) -> pb.GenerateResponse:
+        return next(self._rest)
+
+
+class _Plain:
+    stop: list[str] = []
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_token_whose_text_is_held_back_keeps_its_logprobs(tokenizer, kind):
+    """An emoji is three byte tokens: the first two decode to no text yet (the detokenizer
+    holds them back), and their steps' logprobs must still reach the answer: one entry per
+    token, as the official client counts them."""
+    ids = tokenizer.encode("😀 ok", add_special_tokens=False)
+    assert len(tokenizer.encode("😀", add_special_tokens=False)) == 3  # the case this is about
+    steps = [pb.GenerateResponse(token_ids=[t], logprobs=[pb.TokenLogprobs(
+        token_id=t, logprob=-0.5, top_token_ids=[t, 42], top_logprobs=[-0.5, -2.0])]) for t in ids]
+    steps[-1].finish_reason = pb.LENGTH
+    call = _Call(steps[1:])
+    events = completion_answer.generate_events(kind, _Plain, "cmpl-1", call, steps[0], 3, 0.0, 0.0, "completions",
+                                               tokenizer)
+    answer = asyncio.run(completion_answer.collect(kind, events, "cmpl-1", _Body, "smollm2", tokenizer))
+    parsed = (ChatCompletion if kind == "chat" else Completion).model_validate_json(_dumps(answer))
+    logprobs = parsed.choices[0].logprobs
+    assert len(logprobs.content if kind == "chat" else logprobs.tokens) == len(ids)
+    text = parsed.choices[0].message.content if kind == "chat" else parsed.choices[0].text
+    assert text == "😀 ok"
