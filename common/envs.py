@@ -181,6 +181,15 @@ def fault_transfer_file() -> Path | None:
 FAULT_SLOW_FACTOR = "PDSERVE_FAULT_SLOW_FACTOR"
 
 
+def peer_silence_s() -> float:
+    """PDSERVE_PEER_SILENCE_S: how long an internal gRPC peer may stay silent before the calls
+    to it fail (rpc/auth.py): keepalive pings every two thirds of it, a third of it to answer
+    one (default 15: a ping every 10 s, 5 s to answer; at least 3). A frozen host, or one that
+    fell off the network, is noticed within it; raise it where a process may be paused on
+    purpose for longer (a debugger, a test that freezes one)."""
+    return _number("PDSERVE_PEER_SILENCE_S", 15.0, 3.0, "a number of seconds >= 3")
+
+
 def fault_slow_factor() -> float:
     """PDSERVE_FAULT_SLOW_FACTOR: fault injection for tests and chaos runs. A factor >= 1 that
     stretches every engine step (and the warm-up step) of every worker to that many times

@@ -5,7 +5,7 @@ them with `worker` and `role`). A fallback's cause is its pb.LocalPrefill's name
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 PREFILLS = Counter("pdserve_prefills", "Requests admitted, by where their KV comes from: remote (a prefill "
                    "worker), local, kv_source (a handed-off request's, from the decode worker that kept it)",
@@ -18,6 +18,10 @@ FALLBACKS = Counter("pdserve_prefill_fallbacks", "Remote prefills that ended pre
                     "in its prefill or in its KV transfer), deadline, abort_unconfirmed", ["cause"])
 PREFIX_SERVED = Counter("pdserve_prefix_served_blocks", "KV blocks of this worker's prefix cache pushed to a sibling "
                         "decode worker that fetched them instead of computing them")
+STREAMS_DOWN_BYTES = Histogram("pdserve_streams_down_bytes", "Bytes of each message sent on a gateway's Streams call: "
+                               "one engine step's news for its streams, or several steps merged while the gateway "
+                               "read slowly (bounded by rpc/auth.py MAX_MESSAGE_BYTES, 64 MiB)",
+                               buckets=(1 << 10, 1 << 14, 1 << 18, 1 << 20, 4 << 20, 16 << 20, 64 << 20))
 for _where in ("remote", "local", "kv_source"):  # every series present (at 0) from the start, as a dashboard expects
     PREFILLS.labels(_where)
 for _cause in ("send_failed", "prefill_failed", "transfer_failed", "deadline", "abort_unconfirmed"):

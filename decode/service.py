@@ -24,6 +24,7 @@ import grpc
 from common import trace
 from common.grammar_spec import GrammarError
 from common.sampling_params import SamplingParams
+from decode import metrics
 from decode.step_batches import Outlet, StepBatches, responses
 from decode.worker import DecodeWorker
 from engine.scheduler import QueueFull, RequestRejected
@@ -175,6 +176,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             while True:
                 down = call.batches.take(_POLL_S)
                 if down is not None:
+                    metrics.STREAMS_DOWN_BYTES.observe(down.ByteSize())
                     yield down
                 elif call.batches.closed or not context.is_active():
                     return  # the gateway ends the call (a half-close alone does not: streams may be running)

@@ -123,20 +123,24 @@ class _AioBidiAuth(_AioAuth, aio.StreamStreamClientInterceptor):
 
 
 # A peer that goes silent (a host that froze or fell off the network, its TCP connection
-# left open) fails the calls to it within KEEPALIVE_S + its timeout, as UNAVAILABLE,
-# instead of each waiting for its whole deadline. Pings go even with no call open.
-KEEPALIVE_S = 10
+# left open) fails the calls to it within PEER_SILENCE_S, as UNAVAILABLE, instead of each
+# waiting for its whole deadline: a ping every KEEPALIVE_S, PING_TIMEOUT_S to answer any ping
+# (keepalive or flow control). Pings go even with no call open. PDSERVE_PEER_SILENCE_S, 15 by
+# default (common/envs.py).
+PEER_SILENCE_S = envs.peer_silence_s()
+KEEPALIVE_S, PING_TIMEOUT_S = PEER_SILENCE_S * 2 / 3, PEER_SILENCE_S / 3
 # (gRPC core waits `ping_timeout_ms`, a minute by default, for a ping's answer whatever
 # `keepalive_timeout_ms` says: both are set.)
-KEEPALIVE = [("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", 5000),
-             ("grpc.http2.ping_timeout_ms", 5000), ("grpc.keepalive_permit_without_calls", 1),
-             ("grpc.http2.max_pings_without_data", 0)]
+_PINGS = [("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+          ("grpc.keepalive_timeout_ms", int(PING_TIMEOUT_S * 1000)),
+          ("grpc.http2.ping_timeout_ms", int(PING_TIMEOUT_S * 1000))]
+KEEPALIVE = _PINGS + [("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 # What a server must allow for those pings (by default it answers pings more often than
-# every 5 minutes with no call open by closing the connection: GOAWAY "too_many_pings").
-SERVER_KEEPALIVE = [("grpc.keepalive_permit_without_calls", 1),
-                    ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),
-                    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000), ("grpc.keepalive_timeout_ms", 5000),
-                    ("grpc.http2.ping_timeout_ms", 5000)]
+# every 5 minutes with no call open by closing the connection: GOAWAY "too_many_pings"): half
+# the interval, and at most half the default one, since a client may ping at the default while
+# this side has a longer one.
+SERVER_KEEPALIVE = _PINGS + [("grpc.keepalive_permit_without_calls", 1),
+                             ("grpc.http2.min_ping_interval_without_data_ms", int(min(KEEPALIVE_S, 10) * 500))]
 
 
 # The largest message either side of an internal call takes (gRPC's own default receive

@@ -28,16 +28,18 @@ FLOOD_LIMITS = httpx.Limits(max_connections=100, keepalive_expiry=CLIENT_KEEPALI
 
 @contextlib.contextmanager
 def gateway(model_dir, decode: list[str], prefill: list[str], log_path, *extra: str, processes: int = 1,
-            started: list[subprocess.Popen] | None = None):
+            started: list[subprocess.Popen] | None = None, env: dict[str, str] | None = None):
     """A `python -m gateway` process over the given workers; yields its URL once /health
     answers. `processes` > 1: that many gateway processes on the port, under a front process
-    (gateway/processes.py); `started` gets the (front) process, for tests that need its pid."""
+    (gateway/processes.py); `started` gets the (front) process, for tests that need its pid;
+    `env`: variables set for it beside this process's."""
     port = free_port()
     cmd = [sys.executable, "-m", "gateway", "--model", str(model_dir), "--served-name", "smollm2", "--port", str(port)]
     cmd += [a for d in decode for a in ("--decode", d)] + [a for p in prefill for a in ("--prefill", p)]
     if processes != 1:
         cmd += ["--processes", str(processes)]
-    gw = subprocess.Popen([*cmd, *extra], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    gw = subprocess.Popen([*cmd, *extra], cwd=REPO, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,
+                          env={**os.environ, **env} if env else None)
     if started is not None:
         started.append(gw)
     url = f"http://127.0.0.1:{port}"

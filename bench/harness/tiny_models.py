@@ -21,14 +21,17 @@ KINDS = {
 }
 
 
-def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0) -> Path:
+def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0, max_positions: int = 512,
+                          vocab: int = VOCAB) -> Path:
+    """A `kind` checkpoint (KINDS) with random weights in `folder`; `vocab` 49152 matches
+    SmolLM2's tokenizer, whose chat template then renders prompts the model takes."""
     import transformers
 
     cls_name, overrides = KINDS[kind]
     config_cls = getattr(transformers, cls_name)
     cfg = config_cls(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         **overrides,
     )
     torch.manual_seed(seed)

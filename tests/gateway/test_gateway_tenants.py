@@ -1,12 +1,15 @@
 """API keys and tenants: refused before the body is read, limits per tenant given back on
 every path, prefix caches kept apart; a tenant with no max_concurrent of its own (the open
-gateway's) runs what the decode pool holds."""
+gateway's) runs what the decode pool holds, and what that pool's streams send while the
+gateway is paused reaches it whole."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.harness.gateway_procs import CHAT, gateway, metric_value, raw_post
 from bench.harness.tiny_models import write_tiny_checkpoint
@@ -21,6 +25,7 @@ from bench.harness.worker_procs import REPO, start_workers, wait_idle, wait_unti
 from gateway.errors import APIError
 from gateway.routing.router import Router
 from gateway.tenants import STARTUP_SEQUENCES, Tenant, Tenants
+from rpc import pdserve_pb2 as pb
 
 
 def test_a_request_without_a_valid_key_is_refused_before_its_body_is_read(tenant_gateway):
@@ -249,23 +254,30 @@ MAX_NUM_SEQS, MAX_WAITING = 128, 128
 POOL = MAX_NUM_SEQS + MAX_WAITING
 NO_EOS = {"0": -100, "2": -100}  # the end-of-text ids of the tokenizer (SmolLM2's) and of the tiny config
 ONE_MORE = {"model": "smollm2", "prompt": [5, 6, 7, 8], "max_tokens": 4}
+# The gateway is paused (SIGSTOP) in a test below for as long as the worker takes to finish
+# its streams: pings it cannot answer must not end the call meanwhile.
+PAUSABLE = {"PDSERVE_PEER_SILENCE_S": "600"}
+LONG = 2500  # tokens of the streams that fill a paused gateway's backlog (KV: 20,500 blocks of 16 hold 128)
+MAX_POSITIONS = LONG + 8  # the prompt (4 tokens) and the last token
 
 
 @pytest.fixture(scope="module")
 def roomy_pool(smollm2_dir, tmp_path_factory):
     """(gateway URL, decode worker): an open gateway over a decode worker with room for
     more than 64 sequences, ready (it has read the worker's Stats)."""
-    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-gqa")
+    model = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-gqa", max_positions=MAX_POSITIONS)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway tokenizes; prompts here are ids < 320
         shutil.copy(smollm2_dir / name, model / name)
     logs = tmp_path_factory.mktemp("roomy-logs")
-    (decode,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "8192", "--no-transfer",
+    (decode,) = start_workers([("decode", ["--dtype", "float32", "--kv-blocks", "20500", "--no-transfer",
                                            "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING)],
-                                {})], model, logs)
+                                PAUSABLE)], model, logs)
+    started: list[subprocess.Popen] = []
     try:
-        with gateway(model, [decode.address], [], logs / "gateway.log") as url:
+        with gateway(model, [decode.address], [], logs / "gateway.log", "--request-timeout", "600",
+                     started=started, env=PAUSABLE) as url:
             assert httpx.get(f"{url}/ready", timeout=60).json() == {"ready": True}  # a Stats round: the pool's size
-            yield url, decode
+            yield url, decode, started[0]
     finally:
         decode.stop()
 
@@ -290,7 +302,7 @@ async def _read_stream(http: httpx.AsyncClient, url: str, max_tokens: int) -> tu
 def test_the_open_gateway_runs_more_than_64_streams_when_the_decode_pool_holds_them(roomy_pool):
     """100 streams at once on a decode worker that runs 128: all run together (none refused
     by a tenant limit of 64) and every one completes."""
-    url, decode = roomy_pool
+    url, decode, _ = roomy_pool
     streams, max_tokens = 100, 128
 
     async def burst() -> tuple[bool, list]:
@@ -317,7 +329,7 @@ def test_past_what_the_decode_pool_holds_the_open_tenant_gets_a_429_naming_it(ro
     """With the pool full (128 running, then 128 queued on its one worker), one more stream
     gets a 429 from the gateway that says the limit and where it comes from; once they end,
     the tenant's slots are back."""
-    url, decode = roomy_pool
+    url, decode, _ = roomy_pool
 
     def worker_holds(running: int, waiting: int) -> None:  # a bound on the wait, not a speed
         def holds() -> bool:
@@ -351,6 +363,85 @@ def test_past_what_the_decode_pool_holds_the_open_tenant_gets_a_429_naming_it(ro
     assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
     served = httpx.post(f"{url}/v1/completions", timeout=60, json=ONE_MORE)
     assert served.status_code == 200, served.text
+
+
+def _worker_counts(decode) -> tuple[int, int, float]:
+    """(messages sent on gateways' Streams calls, those of them over gRPC's default 4 MiB,
+    tokens the engine computed), from the decode worker's own registry."""
+    text = decode.stub.Metrics(pb.MetricsRequest(), timeout=30).exposition.decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sizes = families["pdserve_streams_down_bytes"].samples
+    count = next(s.value for s in sizes if s.name.endswith("_count"))
+    within = next(s.value for s in sizes if s.name.endswith("_bucket") and float(s.labels["le"]) == 4 << 20)
+    tokens = sum(s.value for s in families["pdserve_engine_step_tokens"].samples if s.name.endswith("_sum"))
+    return int(count), int(count - within), tokens
+
+
+# While the gateway is paused, the worker's Streams call sends until the connection's buffers
+# and gRPC's flow-control windows are full (a few MiB, more as the window grows), then blocks;
+# what the engine makes from then on merges into the next message. Tokens with 5 alternatives
+# take ~52 bytes each in it (measured with this model): at 45 a token, this many make it past 4 MiB.
+PAST_4_MIB_TOKENS = (4 << 20) // 45
+
+
+def test_what_a_paused_gateway_could_not_read_reaches_it_whole_past_4_mib(roomy_pool):
+    """127 streams with 5 alternatives a token and one plain one, the gateway paused (SIGSTOP)
+    until its backlog on the worker (made once the connection could take no more) is past
+    gRPC's default 4 MiB; then the 127 leave and the gateway resumes. The merged message
+    crosses whole (rpc/auth.py MAX_MESSAGE_BYTES on the gateway's channel) and the plain
+    stream, which was in it, is served whole, on the same call: none retried."""
+    url, decode, gateway_process = roomy_pool
+    _, big_before, _ = _worker_counts(decode)
+    filler = {**_stream_body(LONG), "logprobs": 5}
+
+    async def witness(http: httpx.AsyncClient) -> tuple[int, int | None, bool]:
+        return await _read_stream(http, url, LONG)
+
+    async def fill(http: httpx.AsyncClient) -> None:
+        async with http.stream("POST", f"{url}/v1/completions", json=filler) as r:
+            async for _ in r.aiter_bytes():
+                pass
+
+    def backlog_past_4_mib() -> bool:
+        """Poll the worker: true once the tokens made since its last message was taken are
+        past PAST_4_MIB_TOKENS (or it has nothing left running, which fails below)."""
+        last_count, since = -1, 0.0
+        while True:
+            count, _, tokens = _worker_counts(decode)
+            if count != last_count:
+                last_count, since = count, tokens
+            if tokens - since >= PAST_4_MIB_TOKENS:
+                return True
+            if decode.stats().running_requests < MAX_NUM_SEQS:
+                return False  # a stream ended: LONG was too short for this host's windows
+            time.sleep(0.2)
+
+    async def paused_midway() -> tuple[bool, tuple]:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=2 * POOL)) as http:
+            kept = asyncio.create_task(witness(http))
+            fillers = [asyncio.create_task(fill(http)) for _ in range(MAX_NUM_SEQS - 1)]
+            await asyncio.to_thread(wait_until, lambda: decode.stats().running_requests == MAX_NUM_SEQS
+                                    or kept.done(), 120, f"{MAX_NUM_SEQS} streams on the worker")
+            os.kill(gateway_process.pid, signal.SIGSTOP)
+            try:
+                filled = await asyncio.to_thread(backlog_past_4_mib)
+                for t in fillers:  # they leave while the gateway is paused: it renders none of their backlog
+                    t.cancel()
+                await asyncio.gather(*fillers, return_exceptions=True)
+            finally:
+                os.kill(gateway_process.pid, signal.SIGCONT)
+            return filled, await kept
+
+    filled, answer = asyncio.run(paused_midway())
+    assert filled, f"every stream ended before the backlog passed 4 MiB: raise LONG ({LONG})"
+    assert answer == (200, LONG, True), answer  # the plain stream, served whole on the same call
+    _, big_after, _ = _worker_counts(decode)
+    assert big_after > big_before  # the merged message past gRPC's default crossed, and was taken
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    for when in ("before_first_token", "mid_stream", "handed_off"):
+        assert metric_value(metrics, "pdserve_decode_retries_total", when=when) == 0, when
+    s = wait_idle(decode, timeout_s=60)  # the streams that left are cancelled there, their KV freed
+    assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks, s
 
 
 def test_two_tenants_named_alike_are_refused_at_start(smollm2_dir, tmp_path):
