@@ -17,7 +17,7 @@ import torch
 from kernels.dtype_choice import auto_dtype
 from kernels.host import log_choice
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 AUTO_DTYPE = "auto"
@@ -69,7 +69,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one Llama-family checkpoint (Llama, Mistral, Qwen2)."""
+    """The architecture of one Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3)."""
 
     architecture: str
     vocab_size: int
@@ -86,6 +86,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: an RMS norm over each q and k head before rotary
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
@@ -112,7 +113,7 @@ class ModelConfig:
     def num_parameters(self) -> int:
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size
+        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size
@@ -144,6 +145,11 @@ class ModelConfig:
         sliding = None
         if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
             sliding = int(cfg["sliding_window"])
+        layer_types = set(cfg.get("layer_types") or ())
+        if sliding is not None and len(layer_types) > 1:  # Qwen2/3's max_window_layers: windows on some layers
+            raise UnsupportedModelError(
+                f"a sliding window on some layers only (layer_types {sorted(layer_types)}) is not supported: "
+                "every layer attends to the whole sequence, or every layer to the window")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -160,6 +166,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=sliding,

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a flat varlen batch and a paged KV pool.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat varlen batch and a paged KV pool.
 
 Projections are fused at load time (q|k|v into one matmul, gate|up into one), and the
 LM head runs only on the rows that are sampled.
@@ -60,6 +60,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        # Qwen3: each q and k head RMS-normed over head_dim before rotary (one weight per kind)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -83,8 +86,12 @@ class DecoderLayer(nn.Module):
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         qkv = self.qkv_proj(h)
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k heads rotate together: one set of elementwise ops instead of two.
-        qk = ops.rotary(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *cos_sin)
+        qk = ops.rotary(qk, *cos_sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)

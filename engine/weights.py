@@ -20,7 +20,8 @@ _FUSED = {
     "mlp.gate_proj": ("gate_up_proj", 0),
     "mlp.up_proj": ("gate_up_proj", 1),
 }
-_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
+_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
+            "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
 
 
 class CheckpointError(ValueError):

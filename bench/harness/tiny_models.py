@@ -18,6 +18,8 @@ KINDS = {
         "original_max_position_embeddings": 64, "rope_theta": 500000.0})),
     "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=4096)),
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+    # head_dim apart from hidden / heads (32, not 16), as Qwen3's own sizes have it
+    "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
 }
 
 

@@ -32,6 +32,9 @@ def test_unsupported_architecture_is_named_with_the_supported_ones():
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "yarn"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}), "dynamic"),
     (dict(hidden_act="gelu"), "gelu"),
+    # Qwen3's window on the layers from max_window_layers on: a window on some layers only
+    (dict(architectures=["Qwen3ForCausalLM"], sliding_window=64, use_sliding_window=True,
+          layer_types=["full_attention", "sliding_attention"]), "some layers only"),
 ])
 def test_configs_the_model_cannot_honour_are_refused(overrides, match):
     with pytest.raises(UnsupportedModelError, match=match):
