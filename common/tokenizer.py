@@ -19,6 +19,22 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's table from each byte to the printable character byte-level BPE spells it with."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    table, shifted = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 class TokenizerError(ValueError):
@@ -113,6 +129,7 @@ class Tokenizer:
         eos_id = self._id_of(self.special_tokens.get("eos_token"))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids + ([eos_id] if eos_id is not None else []))
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._byte_level = isinstance(tokenizer.decoder, ByteLevelDecoder)  # GPT-2's byte-to-character table
         # Normally tokenizer.json's post-processor adds BOS. Some older folders only say
         # add_bos_token in the config (transformers 4's Llama tokenizer honoured it).
         adds_bos = self.bos_token_id in tokenizer.encode("", add_special_tokens=True).ids
@@ -164,6 +181,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids` (invalid UTF-8 byte sequences become U+FFFD)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: a byte-level BPE token may be part of a character
+        (its text alone is U+FFFD) and a byte-fallback token (`<0xF0>`) one byte of one;
+        a client joins the pieces back into the character (OpenAI's logprobs `bytes`)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in piece):
+            return bytes(_UNICODE_TO_BYTE[c] for c in piece)
+        if m := _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def tokens_of(self, ids: Sequence[int]) -> list[str | None]:
         """Each id's token as the vocabulary spells it (transformers' convert_ids_to_tokens);

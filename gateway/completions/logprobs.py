@@ -57,7 +57,7 @@ class Logprobs:
         known = self._tokens.get(token_id)
         if known is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            known = self._tokens[token_id] = (text, list(text.encode()))
+            known = self._tokens[token_id] = (text, list(self.tokenizer.token_bytes(token_id)))
         return known
 
 

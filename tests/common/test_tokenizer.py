@@ -55,6 +55,14 @@ def test_encode_matches_transformers(tokenizer, hf_tokenizer, text, add_special_
 
 
 @pytest.mark.parametrize("text", TEXTS)
+def test_each_tokens_bytes_join_back_into_the_text(tokenizer, text):
+    """OpenAI's logprobs `bytes`: a token that is part of a character (an emoji's, a CJK
+    character's) has that part's bytes, not the U+FFFD its text alone decodes to."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+@pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 def test_decode_matches_transformers(tokenizer, hf_tokenizer, text, skip_special_tokens):
     ids = hf_tokenizer.encode(text) + [2]  # end with <|im_end|>

@@ -57,8 +57,8 @@ def _reference(kind: str, tokenizer: Tokenizer, entries: list[pb.TokenLogprobs])
 
     if kind == "chat":
         return {"content": [
-            {"token": text(e.token_id), "logprob": e.logprob, "bytes": list(text(e.token_id).encode()),
-             "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}
+            {"token": text(e.token_id), "logprob": e.logprob, "bytes": list(tokenizer.token_bytes(e.token_id)),
+             "top_logprobs": [{"token": text(t), "logprob": lp, "bytes": list(tokenizer.token_bytes(t))}
                               for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
             for e in entries]}
     return {"tokens": [text(e.token_id) for e in entries],
@@ -118,7 +118,7 @@ class _Plain:
 def test_a_token_whose_text_is_held_back_keeps_its_logprobs(tokenizer, kind):
     """An emoji is three byte tokens: the first two decode to no text yet (the detokenizer
     holds them back), and their steps' logprobs must still reach the answer: one entry per
-    token, as the official client counts them."""
+    token, as the official client counts them, each with the bytes it stands for."""
     ids = tokenizer.encode("😀 ok", add_special_tokens=False)
     assert len(tokenizer.encode("😀", add_special_tokens=False)) == 3  # the case this is about
     steps = [pb.GenerateResponse(token_ids=[t], logprobs=[pb.TokenLogprobs(
@@ -133,3 +133,6 @@ def test_a_token_whose_text_is_held_back_keeps_its_logprobs(tokenizer, kind):
     assert len(logprobs.content if kind == "chat" else logprobs.tokens) == len(ids)
     text = parsed.choices[0].message.content if kind == "chat" else parsed.choices[0].text
     assert text == "😀 ok"
+    if kind == "chat":  # each byte token's own bytes, which join back into the character
+        assert bytes(b for entry in logprobs.content[:3] for b in entry.bytes) == "😀".encode()
+        assert logprobs.content[3].bytes == list(b" ok")
