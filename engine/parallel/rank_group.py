@@ -38,6 +38,9 @@ from engine.step_buffers import StepLimits
 
 READY_S = 600  # bound on a follower's start (spawn, imports, its weights)
 STOP_S = 30
+# How long a failed step waits for a follower's own death before naming the step's error
+# instead: a killed follower's exit follows its broken connections at once.
+DEATH_GRACE_S = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +209,15 @@ class RankGroup:
         group is over: the followers are killed, `lost` says why, and `on_lost` hears it (a
         worker ends itself there and is replaced as a whole); without it every later step
         fails with the reason."""
+        # A follower killed mid-step breaks that step's collectives on rank 0 before the watcher
+        # hears of its death: a follower that ends by itself within a moment is the cause, named.
+        ended = wait([proc.sentinel for proc in self._procs], timeout=DEATH_GRACE_S)
+        if self.lost is None and ended:
+            rank, proc = next((r, p) for r, p in enumerate(self._procs, start=1) if p.sentinel == ended[0])
+            self.lost = f"rank {rank} is gone (pid {proc.pid}, exit code {_exit_code(proc.pid)})"
         if self.lost is None:
             self.lost = reason
-        log.error("tensor-parallel %s: ending the group", reason)
+        log.error("tensor-parallel %s: ending the group", self.lost)
         self._closing.set()  # the followers ending from here on were ended, not lost
         for proc in self._procs:
             if proc.is_alive():
