@@ -1,7 +1,10 @@
 """Convert a llama.cpp GGUF file into a Hugging Face style folder (runs once per file).
 
-The folder holds config.json (LlamaForCausalLM), generation_config.json,
-model.safetensors (every tensor dequantized to float32) and the tokenizer files.
+The folder holds config.json (LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM, from
+llama.cpp's `llama`, `qwen3` and `qwen3moe`), generation_config.json, model.safetensors
+(every tensor dequantized to float32; a mixture of experts' stacked expert tensors split
+back into one per expert) and the tokenizer files. llama.cpp interleaves the q and k rows of
+`llama` models for its RoPE; Qwen's it leaves in rotate-half order.
 The folder appears atomically: everything is written into a temporary sibling folder
 that is renamed into place last, so a crash never leaves a half-written model.
 """
@@ -18,7 +21,10 @@ from typing import Any
 
 import numpy as np
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3", "qwen3moe")
+# GGUF architecture -> (Hugging Face architecture, model_type)
+_HF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+                     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}
 
 # llama.cpp tensor name (per block or global) -> Hugging Face Llama parameter name.
 _BLOCK_NAMES = {
@@ -31,7 +37,12 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
+# A mixture of experts' projections, every expert's stacked in one [experts, out, in] tensor.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -49,7 +60,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     `out_dir` must not exist yet; its parent is created if needed. If another process
     finishes converting into the same `out_dir` first, its result is kept and returned.
-    Raises UnsupportedGGUFError (naming what) for an architecture other than Llama or an
+    Raises UnsupportedGGUFError (naming what) for an architecture not in SUPPORTED_GGUF_ARCHITECTURES or an
     unsupported feature, FileExistsError if `out_dir` exists.
     """
     from gguf import GGUFReader  # heavy-ish import, only needed here
@@ -113,12 +124,13 @@ def _llama_config(reader: Any) -> dict[str, Any]:
     vocab_size = _field(reader, f"{arch}.vocab_size")
     if vocab_size is None:
         vocab_size = len(reader.get_field("tokenizer.ggml.tokens").data)
+    hf_arch, model_type = _HF_ARCHITECTURES[arch]
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        **({"intermediate_size": int(ffn)} if (ffn := _field(reader, f"{arch}.feed_forward_length")) else {}),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
@@ -133,6 +145,15 @@ def _llama_config(reader: Any) -> dict[str, Any]:
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
+    if arch == "qwen3moe":
+        experts = int(_field(reader, f"{arch}.expert_count"))
+        dense = sorted({int(m.group(1)) for t in reader.tensors if (m := _BLOCK_RE.fullmatch(t.name))
+                        and m.group(2) == "ffn_gate"})  # layers llama.cpp wrote a dense MLP for
+        config.update(num_experts=experts, num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")),
+                      moe_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length")),
+                      norm_topk_prob=True,  # llama.cpp's qwen3moe always renormalises the top-k weights
+                      decoder_sparse_step=1, mlp_only_layers=dense)
+        config.setdefault("intermediate_size", config["moe_intermediate_size"])
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         factor = float(_field(reader, f"{arch}.rope.scaling.factor"))
@@ -147,15 +168,18 @@ def _llama_config(reader: Any) -> dict[str, Any]:
 
 
 def _hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor; a stacked expert tensor's ends in `{expert}`."""
     if m := _BLOCK_RE.fullmatch(gguf_name):
         layer, part, kind = m.groups()
         if part in _BLOCK_NAMES:
             return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        if part in _EXPERT_NAMES:
+            return f"model.layers.{layer}.mlp.experts.{{expert}}.{_EXPERT_NAMES[part]}.{kind}"
     else:
         base, _, kind = gguf_name.rpartition(".")
         if base in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[base]}.{kind}"
-    raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+    raise UnsupportedGGUFError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -173,9 +197,14 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
         name = _hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dimensions innermost first
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
-        if ".q_proj." in name:
+        if "{expert}" in name:  # [experts, out, in]: one tensor per expert
+            for e in range(w.shape[0]):
+                tensors[name.format(expert=e)] = np.ascontiguousarray(w[e])
+            continue
+        interleaved = config["model_type"] == "llama"  # llama.cpp permutes the q/k rows of llama models only
+        if interleaved and ".q_proj." in name:
             w = _unpermute_rope_rows(w, config["num_attention_heads"])
-        elif ".k_proj." in name:
+        elif interleaved and ".k_proj." in name:
             w = _unpermute_rope_rows(w, config["num_key_value_heads"])
         tensors[name] = np.ascontiguousarray(w)
     save_file(tensors, str(path), metadata={"format": "pt"})

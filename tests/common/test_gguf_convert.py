@@ -218,3 +218,73 @@ def test_smollm2_converted_folder_gives_same_logits(smollm2_dir, hf_gguf_model):
     ids = torch.tensor([[1, 9690, 198, 2683, 314, 260, 3575, 282, 4649, 47, 2, 198]])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, hf_gguf_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- Qwen3 and Qwen3-MoE, as llama.cpp writes them
+
+
+def _write_like_llama_cpp(folder: Path, path: Path) -> Path:
+    """A GGUF of the Hugging Face checkpoint in `folder` as llama.cpp's convert_hf_to_gguf.py
+    writes Qwen3 and Qwen3-MoE: tensor names from the gguf package's own map, q/k rows left
+    in rotate-half order, each layer's experts stacked into one [experts, out, in] tensor."""
+    from gguf import GGUFWriter
+    from gguf.constants import MODEL_ARCH, MODEL_ARCH_NAMES
+    from gguf.tensor_mapping import get_tensor_name_map
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    moe = cfg["model_type"] == "qwen3_moe"
+    arch = MODEL_ARCH.QWEN3MOE if moe else MODEL_ARCH.QWEN3
+    names = get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    w = GGUFWriter(str(path), MODEL_ARCH_NAMES[arch])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    tensors = load_file(str(folder / "model.safetensors"))
+    if moe:
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        for layer in range(cfg["num_hidden_layers"]):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                per_expert = [tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
+                              for e in range(cfg["num_local_experts"]) if layer not in cfg["mlp_only_layers"]]
+                if per_expert:
+                    name = names.get_name(f"model.layers.{layer}.mlp.experts.{part}")
+                    w.add_tensor(f"{name}.weight", np.stack(per_expert))
+    for name, tensor in tensors.items():
+        base = name.rpartition(".")[0]
+        w.add_tensor(f"{names.get_name(base)}.weight", tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3-moe"])
+def test_qwen3_and_qwen3_moe_convert_back_to_their_checkpoint(kind, tmp_path, no_tokenizer):
+    from safetensors.numpy import load_file
+
+    from bench.harness.tiny_models import write_tiny_checkpoint
+    from engine.config import ModelConfig
+
+    # llama.cpp's qwen3moe has every layer's MLP experts (no mlp_only_layers), as the released models
+    folder = write_tiny_checkpoint(tmp_path / kind, kind, **({"mlp_only_layers": []} if kind == "qwen3-moe" else {}))
+    out = convert_gguf(_write_like_llama_cpp(folder, tmp_path / f"{kind}.gguf"), tmp_path / "converted")
+    want, got = load_file(str(folder / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        np.testing.assert_array_equal(got[name], tensor, err_msg=name)
+    converted, original = ModelConfig.from_pretrained(out), ModelConfig.from_pretrained(folder)
+    fields = ("architecture", "num_layers", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "moe", "rope",
+              "intermediate_size", "tie_word_embeddings", "rms_norm_eps")
+    assert {f: getattr(converted, f) for f in fields} == {f: getattr(original, f) for f in fields}
