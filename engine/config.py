@@ -17,7 +17,8 @@ import torch
 from kernels.dtype_choice import auto_dtype
 from kernels.host import log_choice
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 AUTO_DTYPE = "auto"
@@ -68,8 +69,30 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """What a mixture-of-experts family's config.json says about its experts (engine/moe.py)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    normalize_top_k: bool  # renormalise the top-k weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts (the others are dense)
+    held: tuple[int, int] | None = None  # [start, stop) of the experts one rank holds (None: all)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise UnsupportedModelError(
+                f"num_experts_per_tok={self.top_k}: must be in [1, the {self.num_experts} experts]")
+
+    @property
+    def experts_held(self) -> range:
+        return range(*self.held) if self.held is not None else range(self.num_experts)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of one Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3)."""
+    """The architecture of one Llama-family checkpoint (Llama, Mistral, Qwen2, Qwen3, and the
+    mixture-of-experts Qwen3-MoE and Mixtral)."""
 
     architecture: str
     vocab_size: int
@@ -87,6 +110,7 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: bool = False  # Qwen3: an RMS norm over each q and k head before rotary
+    moe: MoeConfig | None = None  # experts in place of the MLP on some layers
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
@@ -116,7 +140,11 @@ class ModelConfig:
         norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size
+        total = self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size
+        if self.moe is not None:  # those layers' experts and router instead of the dense MLP
+            experts = self.moe.num_experts * (3 * self.hidden_size * self.moe.intermediate_size + self.hidden_size)
+            total += len(self.moe.sparse_layers) * (experts - mlp)
+        return total
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -143,7 +171,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding = None
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", arch == "MistralForCausalLM"):
+        if cfg.get("sliding_window") and cfg.get("use_sliding_window",
+                                                  arch in ("MistralForCausalLM", "MixtralForCausalLM")):
             sliding = int(cfg["sliding_window"])
         layer_types = set(cfg.get("layer_types") or ())
         if sliding is not None and len(layer_types) > 1:  # Qwen2/3's max_window_layers: windows on some layers
@@ -166,12 +195,33 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            moe=_moe_config(cfg, arch),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=sliding,
             name=name,
         )
+
+
+def _moe_config(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
+    """The experts of a mixture-of-experts family; None for a dense one."""
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":  # every layer sparse; top-k weights always renormalised
+        return MoeConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True,
+                         tuple(range(layers)))
+    if arch == "Qwen3MoeForCausalLM":
+        if cfg.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported yet")
+        # the released checkpoints say num_experts; transformers >= 5 writes num_local_experts
+        experts, step = cfg.get("num_experts", cfg.get("num_local_experts", 0)), cfg.get("decoder_sparse_step", 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+        if not sparse:
+            return None
+        return MoeConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                         bool(cfg.get("norm_topk_prob", False)), sparse)
+    return None
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

@@ -330,6 +330,14 @@ class LLMEngine:
         """The disk tier's state (any thread); None without one."""
         return self.disk_tier.stats() if self.disk_tier is not None else None
 
+    def routed_tokens_per_expert(self) -> list[int] | None:
+        """Tokens routed to each expert since the start, summed over the model's mixture-of-
+        experts layers (any thread; a read during a step may miss that step); None for a
+        dense model."""
+        model = self.model
+        routed = [layer.moe.routed for layer in model.layers if layer.moe is not None] if model is not None else []
+        return torch.stack(routed).sum(0).tolist() if routed else None
+
     def holds_blocks(self, request_id: str) -> bool:
         """A finished (or aborted) request whose blocks wait for release()."""
         return request_id in self.scheduler.held

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flat varlen batch and a paged KV pool.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with experts, Qwen3-MoE and
+Mixtral) over a flat varlen batch and a paged KV pool.
 
 Projections are fused at load time (q|k|v into one matmul, gate|up into one), and the
 LM head runs only on the rows that are sampled.
@@ -15,6 +16,7 @@ import kernels
 import kernels.linear
 import kernels.reference
 from engine.config import ModelConfig
+from engine.moe import SparseMoe
 from engine.rotary import RotaryEmbedding
 from kernels.attention_step import AttentionMetadata
 from kernels.op_set import OpSet
@@ -50,7 +52,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.cfg = cfg
         h = cfg.hidden_size
@@ -58,8 +60,11 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        # the MLP: dense, or a mixture of experts on the layers the config names (engine/moe.py)
+        self.moe = SparseMoe(h, cfg.moe, Linear) if cfg.moe and index in cfg.moe.sparse_layers else None
+        if self.moe is None:
+            self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
         # Qwen3: each q and k head RMS-normed over head_dim before rotary (one weight per kind)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -97,6 +102,8 @@ class DecoderLayer(nn.Module):
         attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
+        if self.moe is not None:
+            return self.moe(h, ops), residual
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
@@ -107,7 +114,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
@@ -136,6 +143,11 @@ class CausalLM(nn.Module):
         if residual is None:  # a model without layers
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
+
+    def leaves_out(self, target: str) -> bool:
+        """Whether a checkpoint tensor with no place here is one this model leaves to another
+        rank (an expert it does not hold), rather than a mismatch."""
+        return False
 
     def prepare(self) -> None:
         """After the weights are loaded: pack matmul weights for the CPU kernels (a layer whose

@@ -1,4 +1,5 @@
-"""Load a Hugging Face safetensors checkpoint into `CausalLM`, fusing q|k|v and gate|up."""
+"""Load a Hugging Face safetensors checkpoint into `CausalLM`, fusing q|k|v and gate|up (each
+expert's too)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ _FUSED = {
 }
 _RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
             "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
+# A mixture of experts (engine/moe.py): the router, and each expert's projections by the
+# names Qwen3-MoE (mlp.experts.E.gate_proj) and Mixtral (block_sparse_moe.experts.E.w1) use.
+_ROUTER = {"mlp.gate": "moe.gate", "block_sparse_moe.gate": "moe.gate"}
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
+_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                 "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
 
 
 class CheckpointError(ValueError):
@@ -49,6 +56,8 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
                 if target is None or (target == "lm_head.weight" and model.lm_head is None):
                     continue  # tied embeddings: the head is the embedding
                 if target not in params:
+                    if model.leaves_out(target):  # another rank's expert
+                        continue
                     raise CheckpointError(f"{file.name}: tensor {name} has no place in the model")
                 tensor = f.get_tensor(name) if select is None else select(target, shard, f.get_tensor(name))
                 if shard is None:
@@ -58,7 +67,8 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
                     fused.setdefault(target, {})[shard] = tensor
     for target, shards in fused.items():
         cfg = model.layers[int(target.split(".")[1])].cfg  # the layer's own sizes (one rank's, when sharded)
-        rows = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target else [cfg.intermediate_size] * 2
+        # gate|up: two halves of the model's own rows (a dense MLP's or an expert's intermediate size)
+        rows = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target else [params[target].shape[0] // 2] * 2
         if len(shards) != len(rows):
             raise CheckpointError(f"{target}: found {len(shards)} of {len(rows)} projections")
         for i, n in enumerate(rows):  # check each piece, so a wrong one is named, not mis-split
@@ -84,6 +94,13 @@ def _map_name(name: str) -> tuple[str | None, int | None]:
     if module in _FUSED:
         target, shard = _FUSED[module]
         return f"layers.{layer}.{target}.{kind}", shard
+    if e := _EXPERT.fullmatch(module):
+        expert, part = e.groups()
+        if part in _EXPERT_PARTS:
+            target, shard = _EXPERT_PARTS[part]
+            return f"layers.{layer}.moe.experts.{expert}.{target}.{kind}", shard
+    if module in _ROUTER:
+        return f"layers.{layer}.{_ROUTER[module]}.{kind}", None
     return f"layers.{layer}.{_RENAMED.get(module, module)}.{kind}", None
 
 

@@ -27,7 +27,7 @@ from engine.kv_events import KVEventBatch
 from engine.llm_engine import LLMEngine, StepResult, StepStats
 from engine.parallel.rank_clock import StragglerWatch
 from engine.scheduler import SchedulerOutput
-from worker import kv_disk_metrics, metrics, step_log
+from worker import kv_disk_metrics, metrics, moe_metrics, step_log
 from worker.holdings import Holdings, loop_wait_s
 from worker.kv_event_log import KVEventLog
 from worker.liveness import DEFAULT_STALL_FLOOR_S, Liveness, Verdict
@@ -97,6 +97,7 @@ class EngineLoop:
         self.kv_events = KVEventLog()
         self.kv_events.take(KVEventBatch([], lost=True), engine.cached_block_hashes)  # what it holds already
         kv_disk_metrics.watch(engine.disk_tier_stats)  # read at each scrape (None: no disk tier)
+        moe_metrics.watch(engine.routed_tokens_per_expert)  # likewise (None: a dense model)
         self._disk_tokens = 0  # the engine's disk_tier_tokens observed into PREFIX_TIER_TOKENS so far
 
     # -- hooks for workers ----------------------------------------------------------------

@@ -20,13 +20,20 @@ KINDS = {
     "qwen2": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     # head_dim apart from hidden / heads (32, not 16), as Qwen3's own sizes have it
     "qwen3": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)),
+    # 8 experts, top 2: the routing spreads a prompt's tokens over most of them; layer 0 dense
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                      num_experts_per_tok=2)),
 }
 
 
 def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0, max_positions: int = 512,
-                          vocab: int = VOCAB) -> Path:
+                          vocab: int = VOCAB, **config) -> Path:
     """A `kind` checkpoint (KINDS) with random weights in `folder`; `vocab` 49152 matches
-    SmolLM2's tokenizer, whose chat template then renders prompts the model takes."""
+    SmolLM2's tokenizer, whose chat template then renders prompts the model takes; `config`:
+    fields of the kind's config to set otherwise."""
     import transformers
 
     cls_name, overrides = KINDS[kind]
@@ -34,7 +41,7 @@ def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0, max_positions:
     cfg = config_cls(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        **overrides,
+        **{**overrides, **config},
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -54,7 +61,9 @@ def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0, max_positions:
 def load_hf(folder: Path, dtype=torch.float64):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    # experts (MoE families) by transformers' eager loop over experts, the reference: its
+    # grouped-matmul path takes no float64
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, experts_implementation="eager")
     return model.eval()
 
 

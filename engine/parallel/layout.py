@@ -4,7 +4,8 @@ With degree N, rank r owns a contiguous run of attention heads, the KV heads tho
 heads read (sharded when N divides the KV head count, replicated when N is a multiple of
 it: each KV head then lives on N / num_kv_heads ranks), a contiguous run of the MLP's
 intermediate columns and a contiguous run of vocabulary rows (ceil(vocab / N) each, the
-last rank's shorter when N does not divide the vocabulary). A model whose head or
+last rank's shorter when N does not divide the vocabulary), and of a mixture of experts, a
+contiguous run of whole experts (expert parallelism: attention stays split by heads). A model whose head or
 intermediate counts do not fit N is refused with the counts and the degrees that would.
 """
 
@@ -59,6 +60,7 @@ class TensorParallelLayout:
     vocab: range  # embedding and LM head rows
     vocab_rows_max: int  # the longest rank's vocab run: every rank's logits padded to it to gather
     kv_replicas: int  # ranks holding each of this rank's KV heads (1: sharded, not replicated)
+    experts: range = range(0)  # a mixture of experts' experts this rank holds, whole (expert parallelism)
 
     @classmethod
     def of(cls, cfg: ModelConfig, size: int, rank: int) -> TensorParallelLayout:
@@ -75,12 +77,15 @@ class TensorParallelLayout:
         ffn = cfg.intermediate_size // size
         per = -(-cfg.vocab_size // size)
         vocab_start = min(rank * per, cfg.vocab_size)
+        experts = cfg.moe.num_experts if cfg.moe is not None else 0
         return cls(size, rank, range(rank * q, (rank + 1) * q), range(kv_start, kv_start + kv),
                    range(rank * ffn, (rank + 1) * ffn), range(vocab_start, min(vocab_start + per, cfg.vocab_size)),
-                   per, replicas)
+                   per, replicas, range(rank * experts // size, (rank + 1) * experts // size))
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The model one rank computes: its heads, KV heads, intermediate columns and vocab
-        rows (head_dim fixed explicitly: it no longer follows hidden / heads)."""
+        """The model one rank computes: its heads, KV heads, intermediate columns, vocab rows
+        and experts (head_dim fixed explicitly: it no longer follows hidden / heads)."""
+        moe = replace(cfg.moe, held=(self.experts.start, self.experts.stop)) if cfg.moe is not None else None
         return replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
-                       intermediate_size=len(self.intermediate), vocab_size=len(self.vocab), head_dim=cfg.head_dim)
+                       intermediate_size=len(self.intermediate), vocab_size=len(self.vocab), head_dim=cfg.head_dim,
+                       moe=moe)

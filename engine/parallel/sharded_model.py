@@ -2,7 +2,8 @@
 
 Megatron's split: q|k|v and gate|up are column-parallel (each rank computes its heads and
 its intermediate columns, no communication), o_proj and down_proj are row-parallel (each
-rank's partial product, summed by one all-reduce each: two per layer). The embedding and
+rank's partial product, summed by one all-reduce each: two per layer). A mixture of experts
+is split by whole experts instead (each rank's experts for every token, one all-reduce). The embedding and
 the LM head are split by vocabulary rows: a rank looks up only the ids it owns (zeros
 elsewhere) and one all-reduce sums the rows; the head's logits are all-gathered, so every
 rank holds the whole [rows, vocab] and the runner and sampler see a model like any other.
@@ -20,6 +21,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.model import CausalLM, Linear
+from engine.moe import SparseMoe
 from engine.parallel.layout import TensorParallelLayout
 from engine.parallel.rank_clock import CollectiveTimer
 
@@ -72,7 +74,15 @@ class ShardedCausalLM(CausalLM):
         self.embed_tokens = embed.requires_grad_(False).to(dtype=dtype, device=device)
         for layer in self.layers:
             layer.o_proj = _row_parallel(layer.o_proj, group, self.collectives)
-            layer.down_proj = _row_parallel(layer.down_proj, group, self.collectives)
+            if layer.moe is not None:
+                layer.moe = _expert_parallel(layer.moe, group, self.collectives)
+            else:
+                layer.down_proj = _row_parallel(layer.down_proj, group, self.collectives)
+
+    def leaves_out(self, target: str) -> bool:
+        """Another rank's expert (expert parallelism)."""
+        parts = target.split(".")  # layers.L.moe.experts.E.<projection>.weight
+        return len(parts) > 4 and parts[2:4] == ["moe", "experts"] and int(parts[4]) not in self.layout.experts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32, on every rank
         local = super().compute_logits(hidden)  # [rows, this rank's vocab rows]
@@ -84,6 +94,28 @@ class ShardedCausalLM(CausalLM):
         dist.all_gather(parts, local.contiguous(), group=self.group)
         self.collectives.seconds += perf_counter() - t0
         return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]
+
+
+class ExpertParallelMoe(SparseMoe):
+    """This rank's experts' share of a mixture of experts for every token; the shares summed
+    over the group by one all-reduce (each token's experts may live on any rank)."""
+
+    group: dist.ProcessGroup | None = None
+    timer: CollectiveTimer
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        out = super().forward(x, ops)
+        t0 = perf_counter()
+        dist.all_reduce(out, group=self.group)
+        self.timer.seconds += perf_counter() - t0
+        return out
+
+
+def _expert_parallel(moe: SparseMoe, group: dist.ProcessGroup | None, timer: CollectiveTimer) -> ExpertParallelMoe:
+    parallel = ExpertParallelMoe(moe.gate.in_features, moe.cfg, Linear)
+    parallel.group, parallel.timer = group, timer
+    weight = moe.gate.weight
+    return parallel.requires_grad_(False).to(dtype=weight.dtype, device=weight.device)
 
 
 def _row_parallel(linear: Linear, group: dist.ProcessGroup | None, timer: CollectiveTimer) -> RowParallelLinear:

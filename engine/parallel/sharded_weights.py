@@ -15,7 +15,7 @@ from engine.weights import Select, load_weights
 def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
     """The `select` of rank `layout.rank`: column-parallel weights (q|k|v, gate|up) by output
     rows, row-parallel ones (o, down) by input columns with their bias on rank 0 only,
-    the embedding and the LM head by vocabulary rows; norms whole."""
+    the embedding and the LM head by vocabulary rows; norms, the router and experts whole."""
     d = cfg.head_dim
     q = slice(layout.q_heads.start * d, layout.q_heads.stop * d)
     kv = slice(layout.kv_heads.start * d, layout.kv_heads.stop * d)
@@ -24,6 +24,8 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
 
     def select(target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
         kind = target.rpartition(".")[2]  # "weight" or "bias"
+        if ".moe." in target:  # the router, and whole experts (another rank's are never read)
+            return tensor
         if ".qkv_proj." in target:
             return tensor[q if shard == 0 else kv]
         if ".gate_up_proj." in target:

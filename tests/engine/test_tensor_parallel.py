@@ -78,7 +78,8 @@ def _rank_main(folder: str, size: int, rank: int, rendezvous: str, out: str) -> 
         prompts = _prompts()
         kv = KVCache(model.local_cfg, _num_blocks(prompts), BLOCK, torch.float32)
         steps, tokens = _greedy(model, kv, prompts)
-        torch.save({"steps": steps, "tokens": tokens, "kv_heads": kv.pool.shape[4]}, out)
+        experts = {len(layer.moe.experts) for layer in model.layers if layer.moe is not None}
+        torch.save({"steps": steps, "tokens": tokens, "kv_heads": kv.pool.shape[4], "experts": experts}, out)
     finally:
         dist.destroy_process_group()
 
@@ -110,7 +111,8 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind,size", [("llama-gqa", 2), ("llama3-rope", 2), ("qwen2", 2), ("qwen3", 2), ("llama-gqa", 4)])
+@pytest.mark.parametrize("kind,size", [("llama-gqa", 2), ("llama3-rope", 2), ("qwen2", 2), ("qwen3", 2),
+                                       ("qwen3-moe", 2), ("mixtral", 4), ("llama-gqa", 4)])
 def test_sharded_ranks_match_one_rank_and_transformers(kind, size, tmp_path):
     folder = write_tiny_checkpoint(tmp_path / kind, kind, seed=3)
     cfg = ModelConfig.from_pretrained(folder)
@@ -126,6 +128,8 @@ def test_sharded_ranks_match_one_rank_and_transformers(kind, size, tmp_path):
     ranks = _run_ranks(folder, size, tmp_path)
     for rank, got in enumerate(ranks):
         assert got["kv_heads"] == max(1, cfg.num_kv_heads // size)  # the pool holds this rank's KV heads only
+        if cfg.moe is not None:  # each rank holds its share of the experts, whole
+            assert got["experts"] == {cfg.moe.num_experts // size}, got["experts"]
         assert got["tokens"] == want_tokens, f"rank {rank}"
         for step, (g, w) in enumerate(zip(got["steps"], want_steps)):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m: f"rank {rank} step {step}: {m}")

@@ -1,5 +1,6 @@
 """Prefill and decode workers of different tensor-parallel degrees, as real processes over
-gRPC and NIXL (tiny random model, 4 query and 2 KV heads, float64): 1 -> 1, 2 -> 1,
+gRPC and NIXL (tiny random Qwen3-MoE, 4 query and 2 KV heads, 8 experts split across the
+ranks, float64: the KV is the attention's whatever the experts' split): 1 -> 1, 2 -> 1,
 1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at one rank, and the KV
 came from the prefill worker (the decode worker's first message names it and the blocks
 that came over), with every block free on both sides afterwards. Equal degrees move whole
@@ -25,7 +26,7 @@ ARGS = ["--dtype", "float64", "--kv-blocks", "64", "--max-num-batched-tokens", "
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-gqa", seed=7)
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3-moe", seed=7)
 
 
 @pytest.fixture(scope="module")
