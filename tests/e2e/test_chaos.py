@@ -64,9 +64,10 @@ def test_the_stall_fault_wedges_the_named_worker_only(tmp_path, monkeypatch):
     stall = tmp_path / "stall"
     monkeypatch.setenv(envs.FAULT_STALL_FILE, str(stall))
     # the stall check reads no engine; building a loop asks only for its ranks, its prefix-cache
-    # events and its disk tier's stats (none: the process's /metrics, which other tests may scrape, shows no tier)
+    # events, its disk tier's stats and its experts' routing (none: the process's /metrics, which
+    # other tests may scrape, shows neither)
     one_rank = SimpleNamespace(ranks=None, record_kv_events=lambda: None, cached_block_hashes=lambda: [],
-                               disk_tier_stats=lambda: None)
+                               disk_tier_stats=lambda: None, routed_tokens_per_expert=lambda: None)
     loops = {name: EngineLoop(engine=one_rank) for name in ("decode-1-17", "decode-0-17", "prefill-0-17")}
     for name, loop in loops.items():
         loop.name = name
