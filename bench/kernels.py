@@ -285,7 +285,7 @@ def _table(rows: list[Row], bench: Bench) -> str:
 
 def compile_only(arch: int) -> int:
     """Compile every kernel variant the engine uses (bf16, fp16, fp32; Llama-8B heads, GQA 3
-    with head_dim 80) for sm_<arch> on a machine without a GPU: a stand-in driver answers
+    with head_dim 80; a Qwen3-MoE's experts) for sm_<arch> on a machine without a GPU: a stand-in driver answers
     the target, and launches become compiles. The interpreter does not enforce the
     compiler's rules (types across branches, dot shapes); this does, and ptxas reports
     spills. It patches Triton internals (3.5-3.9), so it is a tool, not a test."""
@@ -341,6 +341,12 @@ def compile_only(arch: int) -> int:
         x = torch.zeros(4, 4096, dtype=dt)
         tri.rms_norm(x, x[0], 1e-5)
         tri.add_rms_norm(x, x, x[0], 1e-5)
+    from kernels import fused_moe
+
+    for dt in (torch.bfloat16, torch.float16, torch.float32):  # Qwen3-30B-A3B's experts: 2048 -> 2 x 768
+        ids = torch.tensor([[0, 1], [1, 2], [0, 2], [3, 1]])
+        fused_moe.fused_experts(torch.zeros(4, 2048, dtype=dt), torch.zeros(4, 2 * 768, 2048, dtype=dt),
+                                torch.zeros(4, 2048, 768, dtype=dt), torch.ones(4, 2, dtype=dt), ids)
     zeros = torch.zeros(4, **i64)
     tri.sample(torch.zeros(4, 128256), torch.ones(4), zeros, torch.ones(4), torch.zeros(4), zeros, zeros)
     ptxas = get_ptxas(arch).path
