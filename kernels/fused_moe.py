@@ -75,7 +75,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, weights: torch.Te
             sorted_slots: torch.Tensor, block_expert: torch.Tensor, rows_per_a: int) -> None:
     num_slots, (n, k) = c.shape[0], b.shape[1:]
     block_n = min(64, triton.next_power_of_2(n))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    # fp32 tiles of 64 x 64 spill on sm_90 (8 bytes): half as deep there
+    block_k = min(64 if a.element_size() < 4 else 32, max(16, triton.next_power_of_2(k)))
     grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_matmul[grid](
         a, b, c, weights if weights is not None else c, sorted_slots, block_expert, num_slots, n, k,
