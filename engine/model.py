@@ -153,6 +153,9 @@ class CausalLM(nn.Module):
         """After the weights are loaded: pack matmul weights for the CPU kernels (a layer whose
         packed copies serve every row count then drops its unpacked weight)."""
         library = self.ops.matmul_library()
+        for layer in self.layers:  # first: a backend that stacks the experts' weights packs none of them
+            if layer.moe is not None:
+                self.ops.prepare_experts(layer.moe)
         for module in self.layers.modules():
             if isinstance(module, Linear):
                 module.pack(library)

@@ -3,10 +3,12 @@ MLP of its own) runs once over the tokens routed to it.
 
 The router is a linear layer to one logit per expert; its softmax (in float32) gives each
 token's top-k experts and their weights, renormalised to sum to 1 where the family does
-(Mixtral always, Qwen3-MoE by `norm_topk_prob`). The tokens are then grouped by expert (one
-stable sort of the flat (token, slot) assignments), so an expert's weights are read once per
-step for all its tokens, as a grouped matmul over the rows routed to it, and each expert's
-output, scaled by its weight, is added back into its tokens' rows.
+(Mixtral always, Qwen3-MoE by `norm_topk_prob`). The experts themselves are the op set's
+`moe_experts` (kernels/op_set.py): on CPU the tokens grouped by expert (one stable sort of
+the flat (token, slot) assignments), so an expert's packed weights are read once per step
+for all its tokens, and each expert's output, scaled by its weight, added back into its
+tokens' rows; on the Triton op set two grouped matmuls over the experts' stacked weights
+(kernels/fused_moe.py), which `prepare_experts` lays out once.
 
 Under tensor parallelism the experts are split across the ranks (expert parallelism): a
 rank holds `experts` (the ones it owns, by global index) and the whole router; it computes
@@ -46,6 +48,7 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(hidden, cfg.intermediate_size, linear) for e in self.owned})
         # tokens routed to each expert (all of them: the router is every rank's) since the start
         self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # set by an op set that reads it
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts and their weights: ([n, k] weights in x's dtype, [n, k] ids)."""
@@ -55,22 +58,31 @@ class SparseMoe(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
+    @property
+    def num_experts(self) -> int:
+        return self.cfg.num_experts
+
+    @property
+    def held(self) -> range:
+        return self.owned
+
+    def run(self, expert: int, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        return self.experts[str(expert)](x, ops)
+
+    def stack(self) -> None:
+        """The held experts' weights as two stacked tensors, each expert's linears views of them
+        (one copy in memory): the layout a fused kernel reads (kernels/fused_moe.py)."""
+        if self.stacked is not None:
+            return
+        experts = [self.experts[str(e)] for e in self.owned]
+        gate_up = torch.stack([e.gate_up_proj.weight for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts])
+        for i, e in enumerate(experts):
+            e.gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+            e.down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        self.stacked = (gate_up, down)
+
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         weights, ids = self.route(x)
-        k = self.cfg.top_k
-        flat = ids.flatten()  # slot j of token t at t * k + j
-        order = flat.argsort(stable=True)  # the assignments grouped by expert, tokens in order within each
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
-        self.routed += counts
-        ends = counts.cumsum(0).tolist()
-        out = torch.zeros_like(x)
-        flat_weights = weights.flatten()
-        for e in self.owned:
-            start, end = (ends[e - 1] if e else 0), ends[e]
-            if start == end:
-                continue
-            slots = order[start:end]
-            tokens = slots // k
-            y = self.experts[str(e)](x[tokens], ops) * flat_weights[slots, None]
-            out.index_add_(0, tokens, y)
-        return out
+        self.routed += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
+        return ops.moe_experts(x, weights, ids, self)

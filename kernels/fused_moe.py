@@ -91,16 +91,25 @@ def fused_experts(
     gate_up: torch.Tensor,  # [experts, 2 * intermediate, hidden]: each expert's gate rows, then up rows
     down: torch.Tensor,  # [experts, hidden, intermediate]
     weights: torch.Tensor,  # [tokens, k]: the routing weights (x's dtype)
-    ids: torch.Tensor,  # [tokens, k]: the experts
+    ids: torch.Tensor,  # [tokens, k]: the experts, by global index
+    first_expert: int = 0,  # the global index of gate_up[0] (a rank's run of experts)
 ) -> torch.Tensor:  # [tokens, hidden]
-    """The experts' weighted sum for every token, by two grouped matmuls."""
+    """The experts' weighted sum for every token, by two grouped matmuls; slots routed to
+    experts outside [first_expert, first_expert + len(gate_up)) (another rank's) add nothing."""
     tokens, k = ids.shape
     experts, two_i, hidden = gate_up.shape
-    sorted_slots, block_expert = align(ids, experts)
+    local = ids - first_expert
+    local = torch.where((local < 0) | (local >= experts), experts, local)  # another rank's: a last bucket
+    sorted_slots, block_expert = align(local, experts + 1)
+    held = block_expert < experts  # the last bucket's blocks (at the end) are never computed
+    block_expert = block_expert[held]
+    sorted_slots = sorted_slots[: block_expert.numel() * BLOCK_M]
+    if not block_expert.numel():  # no token chose a held expert
+        return torch.zeros_like(x)
     h = torch.empty(tokens * k, two_i, dtype=x.dtype, device=x.device)
     _launch(x.contiguous(), gate_up, h, None, sorted_slots, block_expert, rows_per_a=k)
     act = silu_mul(h).contiguous()  # [slots, intermediate]
-    y = torch.empty(tokens * k, hidden, dtype=x.dtype, device=x.device)
+    y = torch.zeros(tokens * k, hidden, dtype=x.dtype, device=x.device)  # another rank's slots stay 0
     _launch(act, down, y, weights.contiguous().flatten(), sorted_slots, block_expert, rows_per_a=1)
     return y.view(tokens, k, hidden).sum(dim=1)
 

@@ -51,6 +51,23 @@ class StepSampling(Protocol):
         ...
 
 
+class ExpertSet(Protocol):
+    """One mixture-of-experts layer's experts as an op set takes them (engine/moe.py): the ones
+    this rank holds, by global index, each a SwiGLU MLP."""
+
+    num_experts: int  # in the whole layer (ids index these)
+    held: range  # the experts this rank holds
+    stacked: tuple[torch.Tensor, torch.Tensor] | None  # ([held, 2 * ffn, hidden], [held, hidden, ffn]) once stacked
+
+    def run(self, expert: int, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
+        """Expert `expert`'s MLP over rows x [rows, hidden] -> [rows, hidden]."""
+        ...
+
+    def stack(self) -> None:
+        """Lay the held experts' weights out as `stacked` (each expert's linears then views of it)."""
+        ...
+
+
 class OpSet(ABC):
     """A kernel backend. Methods take tensors on the backend's device; shapes in comments."""
 
@@ -136,6 +153,34 @@ class OpSet(ABC):
     def sample_step(self, processed: torch.Tensor, rows: StepSampling) -> torch.Tensor:
         """processed [num_seqs, vocab] float32 (bias, penalties and grammar applied) -> [num_seqs]
         int64 tokens drawn by each row's temperature, truncation and seed (greedy rows: any)."""
+
+    # --- Mixture of experts ---
+
+    def prepare_experts(self, experts: ExpertSet) -> None:
+        """After the weights are loaded: lay an expert layer out as `moe_experts` reads it here
+        (default: as loaded, one set of linears per expert)."""
+
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: ExpertSet) -> torch.Tensor:
+        """x [tokens, hidden], weights and ids [tokens, k] (each token's experts, by global index,
+        and their routing weights in x's dtype) -> [tokens, hidden]: the weighted sum of each
+        token's experts that `experts` holds (another rank's count zero here). Default: the
+        token slots grouped by expert (one stable sort), each held expert's MLP run once over
+        its rows, weighted and added back."""
+        k = ids.shape[1]
+        flat = ids.flatten()  # slot j of token t at t * k + j
+        order = flat.argsort(stable=True)
+        ends = torch.bincount(flat, minlength=experts.num_experts).cumsum(0).tolist()
+        out = torch.zeros_like(x)
+        flat_weights = weights.flatten()
+        for e in experts.held:
+            start, end = (ends[e - 1] if e else 0), ends[e]
+            if start == end:
+                continue
+            slots = order[start:end]
+            tokens = slots // k
+            out.index_add_(0, tokens, experts.run(e, x[tokens], self) * flat_weights[slots, None])
+        return out
 
     # --- Matmul ---
 

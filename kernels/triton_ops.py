@@ -14,7 +14,8 @@ import torch
 from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes, VarlenMetadata
 from kernels.kv_copy import pack_blocks, unpack_blocks, write_kv
 from kernels.norm_rope import add_rms_norm, rms_norm, rotary
-from kernels.op_set import OpSet, StepSampling
+from kernels.fused_moe import fused_experts
+from kernels.op_set import ExpertSet, OpSet, StepSampling
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.reference import argmax, silu_mul  # torch's own on the GPU; silu_mul: one fused op pair
 from kernels.sampling import sample, sampling_mask
@@ -42,6 +43,13 @@ class TritonOps(OpSet):
     unpack_blocks = staticmethod(unpack_blocks)
     paged_decode_attention = staticmethod(paged_decode_attention)
     paged_prefill_attention = staticmethod(paged_prefill_attention)
+
+    def prepare_experts(self, experts: ExpertSet) -> None:
+        experts.stack()  # the grouped matmuls read every held expert's weights from one tensor
+
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    experts: ExpertSet) -> torch.Tensor:
+        return fused_experts(x, *experts.stacked, weights, ids, first_expert=experts.held.start)
 
     def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:
         return [decodes.group(0, len(decodes), device)] if len(decodes) else []

@@ -58,6 +58,22 @@ def test_fused_experts_match_a_loop_over_experts(dtype, tokens):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+def test_a_ranks_run_of_experts_adds_only_its_experts_share():
+    """Expert parallelism: a rank holding experts 2..5 adds their share; the slots routed to
+    the others (another rank's) add nothing; a rank no token chose adds zeros."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(23, HIDDEN, generator=g)
+    gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=g) * 0.2
+    down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=g) * 0.2
+    weights, ids = _routing(23, seed=3)
+    held = (ids >= 2) & (ids < 6)
+    want = fused_moe.reference_experts(x, gate_up, down, weights * held, ids)
+    got = fused_moe.fused_experts(x, gate_up[2:6], down[2:6], weights, ids, first_expert=2)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    nobody = fused_moe.fused_experts(x, gate_up[7:], down[7:], weights, ids, first_expert=7)  # expert 7: unchosen
+    assert (nobody == 0).all()
+
+
 def test_the_fused_layer_equals_the_engines_cpu_mixture_of_experts():
     torch.manual_seed(0)
     cfg = MoeConfig(num_experts=EXPERTS, top_k=TOP_K, intermediate_size=INTERMEDIATE, normalize_top_k=True,
