@@ -86,24 +86,19 @@ class Backend:
     async def health(self, address: str, deep: bool, timeout: float = 10.0) -> pb.HealthResponse:
         """The worker's own verdict (deep: is its engine loop making progress?); a call that
         fails or gets no answer in `timeout` is a failed check, with the reason as its detail."""
-        try:
-            return await self._stub(address).Health(pb.HealthRequest(deep=deep), timeout=timeout)
-        except grpc.RpcError as e:
-            return pb.HealthResponse(ok=False, detail=f"no answer: {e.code().name}")
+        answer = await _unary(self._stub(address).Health(pb.HealthRequest(deep=deep), timeout=timeout))
+        return answer if isinstance(answer, pb.HealthResponse) else pb.HealthResponse(ok=False,
+                                                                                     detail=f"no answer: {answer}")
 
     async def stats(self, address: str, request: pb.StatsRequest | None = None,
                     timeout: float = 1.0) -> pb.StatsResponse | None:
-        try:
-            return await self._stub(address).Stats(request or pb.StatsRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return None
+        answer = await _unary(self._stub(address).Stats(request or pb.StatsRequest(), timeout=timeout))
+        return answer if isinstance(answer, pb.StatsResponse) else None
 
     async def metrics(self, address: str, timeout: float = 2.0) -> pb.MetricsResponse | None:
         """The worker process's Prometheus registry; None if it does not answer in `timeout`."""
-        try:
-            return await self._stub(address).Metrics(pb.MetricsRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return None
+        answer = await _unary(self._stub(address).Metrics(pb.MetricsRequest(), timeout=timeout))
+        return answer if isinstance(answer, pb.MetricsResponse) else None
 
     async def all_metrics(self) -> list[pb.MetricsResponse]:
         """Every answering worker's registry (for the one scrape: gateway/scrape.py)."""
@@ -131,3 +126,18 @@ class Backend:
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self._decode_calls.values()))
         await asyncio.gather(*(ch.close() for ch in self._channels.values()))
+
+
+async def _unary(call):
+    """A unary call's answer, or why there is none (a status name): it failed, or its channel
+    was closed under it, when a membership change closes a departed worker's channel (gRPC's
+    aio raises CancelledError in the caller then; a caller that is itself being cancelled
+    still is)."""
+    try:
+        return await call
+    except grpc.RpcError as e:
+        return e.code().name
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        return "CHANNEL_CLOSED"
