@@ -3,7 +3,7 @@ checkpoint shape, a mixture of experts' layer time split, and KV bytes per token
 
     python -m bench.model_families [--requests 16] [--prompt 128] [--output 32] [--dtype float32]
 
-One run on this host, for each family (Llama, Qwen3, Qwen3-MoE, Mixtral): a random-weight
+One run on this host, for each family (Llama, Qwen3, Qwen3-MoE, Mixtral, gpt-oss): a random-weight
 checkpoint of one small shape written with transformers (hidden 512, 8 layers, 8 query and
 2 KV heads of 64; the MoE families 16 experts, top 2, each expert a quarter of the dense
 MLP's width, so about as much compute a token as the dense ones), then (1) pdserve's
@@ -45,11 +45,20 @@ FAMILIES = {  # name: (transformers config class, what differs from SHAPE)
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=2, moe_intermediate_size=384,
                                          norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=384)),
+    # half the layers windowed at 128 positions (fewer than a request's 160), sinks, YaRN, biased experts
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=384,
+                                     sliding_window=128, rope_parameters={
+                                         "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 64,
+                                         "rope_theta": 150000.0})),
 }
 # KV bytes per token of the published configs each family stands for (config.json values:
 # layers, KV heads, head_dim), at bfloat16.
 PUBLISHED = {"Llama-3.1-8B": (32, 8, 128), "Qwen3-8B": (36, 8, 128), "Qwen3-30B-A3B": (48, 4, 128),
-             "Mixtral-8x7B": (32, 8, 128)}
+             "Mixtral-8x7B": (32, 8, 128), "gpt-oss-120b": (36, 8, 64)}
+# gpt-oss-120b: 18 of its 36 layers windowed at 128 positions: past 128 tokens of context, what
+# those layers' attention reads stops growing; pdserve still keeps and ships every position of
+# every layer (the KV blocks are shared by all layers), so its bytes per token are the full ones.
 
 
 def log(msg: str) -> None:

@@ -8,6 +8,7 @@ construction so a bad value fails at start-up with a message that names it.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,11 @@ from kernels.dtype_choice import auto_dtype
 from kernels.host import log_choice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Weight formats a checkpoint's quantization_config may name: gpt-oss's MXFP4 experts, dequantized
+# at load to the serving dtype (engine/stacked_experts.py)
+SUPPORTED_QUANTIZATION = ("mxfp4",)
 
 AUTO_DTYPE = "auto"
 DTYPES = {
@@ -66,6 +70,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN (engine/rotary.py): the ramp between interpolated and extrapolated frequencies, and
+    # the factor cos and sin are scaled by (1 for every other type)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,12 @@ class MoeConfig:
     normalize_top_k: bool  # renormalise the top-k weights to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     sparse_layers: tuple[int, ...]  # the layers whose MLP is the experts (the others are dense)
     held: tuple[int, int] | None = None  # [start, stop) of the experts one rank holds (None: all)
+    # gpt-oss: the router's logits biased, its softmax over the top-k logits only; biased experts
+    # whose activation is the clamped SwiGLU (alpha, limit) instead of SiLU(gate) * up
+    router_bias: bool = False
+    softmax_after_top_k: bool = False
+    expert_bias: bool = False
+    clamped_swiglu: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -114,6 +130,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
+    # layers whose attention reads only the last `sliding_window` positions (gpt-oss's
+    # "sliding_attention" layers); the others read the whole context. Empty for the families
+    # whose every layer has the window (Mistral): those serve up to the window, see max_model_len
+    window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax's denominator
     name: str = ""
 
     @property
@@ -126,8 +147,9 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served. With a sliding window, full attention is exact only up to it."""
-        if self.sliding_window is not None:
+        """Longest sequence served. With a sliding window on every layer, full attention is exact
+        only up to it; with windows on some layers, attention masks each to its window."""
+        if self.sliding_window is not None and not self.window_layers:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
@@ -163,6 +185,11 @@ class ModelConfig:
                 f"architecture {archs or cfg.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        quant = (cfg.get("quantization_config") or {}).get("quant_method")
+        if quant is not None and (quant not in SUPPORTED_QUANTIZATION or arch != "GptOssForCausalLM"):
+            raise UnsupportedModelError(
+                f"quantization_config quant_method={quant!r} is not supported (only gpt-oss's 'mxfp4' experts, "
+                "dequantized at load); serve the unquantized checkpoint")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
@@ -170,12 +197,15 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding = None
+        sliding, window_layers = None, ()
         if cfg.get("sliding_window") and cfg.get("use_sliding_window",
-                                                  arch in ("MistralForCausalLM", "MixtralForCausalLM")):
+                                                  arch in ("MistralForCausalLM", "MixtralForCausalLM",
+                                                           "GptOssForCausalLM")):
             sliding = int(cfg["sliding_window"])
         layer_types = set(cfg.get("layer_types") or ())
-        if sliding is not None and len(layer_types) > 1:  # Qwen2/3's max_window_layers: windows on some layers
+        if arch == "GptOssForCausalLM" and sliding is not None:  # its own alternation, by layer_types
+            window_layers = tuple(i for i, t in enumerate(cfg.get("layer_types") or ()) if t == "sliding_attention")
+        elif sliding is not None and len(layer_types) > 1:  # Qwen2/3's max_window_layers: windows on some layers
             raise UnsupportedModelError(
                 f"a sliding window on some layers only (layer_types {sorted(layer_types)}) is not supported: "
                 "every layer attends to the whole sequence, or every layer to the window")
@@ -200,6 +230,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             sliding_window=sliding,
+            window_layers=window_layers,
+            attention_sinks=arch == "GptOssForCausalLM",
             name=name,
         )
 
@@ -221,6 +253,10 @@ def _moe_config(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
             return None
         return MoeConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
                          bool(cfg.get("norm_topk_prob", False)), sparse)
+    if arch == "GptOssForCausalLM":  # every layer sparse; softmax over the top-k biased logits
+        return MoeConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], False,
+                         tuple(range(layers)), router_bias=True, softmax_after_top_k=True, expert_bias=True,
+                         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
     return None
 
 
@@ -237,8 +273,27 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
     fields = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if k in params}
+                                     "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate")
+              if params.get(k) is not None}
+    if rope_type == "yarn":
+        fields.setdefault("factor", cfg["max_position_embeddings"] / params["original_max_position_embeddings"])
+        fields["attention_factor"] = _yarn_attention_factor(cfg, params)
     return RopeConfig(theta=float(theta), type=rope_type, **fields)
+
+
+def _yarn_attention_factor(cfg: dict[str, Any], params: dict[str, Any]) -> float:
+    """What YaRN scales cos and sin by: the config's own, else 0.1 ln(factor) + 1 (with DeepSeek's
+    mscale / mscale_all_dim, their ratio), as transformers computes it."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = params.get("factor") or cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
 
 
 @dataclass(frozen=True)

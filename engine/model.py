@@ -1,5 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with experts, Qwen3-MoE and
-Mixtral) over a flat varlen batch and a paged KV pool.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with experts, Qwen3-MoE, Mixtral
+and gpt-oss, whose attention adds sinks and a window on some layers) over a flat varlen
+batch and a paged KV pool.
 
 Projections are fused at load time (q|k|v into one matmul, gate|up into one), and the
 LM head runs only on the rows that are sampled.
@@ -69,6 +70,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        # gpt-oss: a window on some layers, and a learned logit per head in every softmax
+        self.window = cfg.sliding_window if index in cfg.window_layers else None
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False) if cfg.attention_sinks else None
 
     def forward(
         self,
@@ -99,7 +103,10 @@ class DecoderLayer(nn.Module):
         qk = ops.rotary(qk, *cos_sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
-        attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.window is None and self.sinks is None:
+            attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            attn = ops.masked_attention_step(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
         norm = self.post_attention_layernorm
         h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
         if self.moe is not None:

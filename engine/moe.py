@@ -3,7 +3,8 @@ MLP of its own) runs once over the tokens routed to it.
 
 The router is a linear layer to one logit per expert; its softmax (in float32) gives each
 token's top-k experts and their weights, renormalised to sum to 1 where the family does
-(Mixtral always, Qwen3-MoE by `norm_topk_prob`). The experts themselves are the op set's
+(Mixtral always, Qwen3-MoE by `norm_topk_prob`); gpt-oss's router is biased and takes the
+softmax of the top-k logits alone, and its experts have biases and a clamped SwiGLU. The experts themselves are the op set's
 `moe_experts` (kernels/op_set.py): on CPU the tokens grouped by expert (one stable sort of
 the flat (token, slot) assignments), so an expert's packed weights are read once per step
 for all its tokens, and each expert's output, scaled by its weight, added back into its
@@ -25,15 +26,29 @@ from kernels.op_set import OpSet
 
 
 class Expert(nn.Module):
-    """One expert: gate|up fused into one matmul, then SiLU(gate) * up, then down."""
+    """One expert: gate|up fused into one matmul, then SiLU(gate) * up (gpt-oss: its clamped
+    SwiGLU, `clamped_swiglu`), then down."""
 
-    def __init__(self, hidden: int, intermediate: int, linear: type[nn.Linear]):
+    def __init__(self, hidden: int, intermediate: int, linear: type[nn.Linear], bias: bool = False,
+                 clamped: tuple[float, float] | None = None):
         super().__init__()
-        self.gate_up_proj = linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = linear(intermediate, hidden, bias=bias)
+        self.clamped = clamped
 
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        h = ops.silu_mul(gate_up) if self.clamped is None else clamped_swiglu(gate_up, *self.clamped)
+        return self.down_proj(h)
+
+
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation over [rows, 2 * ffn] (gate | up halves) -> [rows, ffn]: the gate
+    clamped above at `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class SparseMoe(nn.Module):
@@ -44,15 +59,20 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.owned = cfg.experts_held
-        self.gate = linear(hidden, cfg.num_experts, bias=False)  # the router (every rank's whole)
-        self.experts = nn.ModuleDict({str(e): Expert(hidden, cfg.intermediate_size, linear) for e in self.owned})
+        self.gate = linear(hidden, cfg.num_experts, bias=cfg.router_bias)  # the router (every rank's whole)
+        self.experts = nn.ModuleDict({str(e): Expert(hidden, cfg.intermediate_size, linear, cfg.expert_bias,
+                                                     cfg.clamped_swiglu) for e in self.owned})
         # tokens routed to each expert (all of them: the router is every rank's) since the start
         self.register_buffer("routed", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # set by an op set that reads it
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts and their weights: ([n, k] weights in x's dtype, [n, k] ids)."""
-        probs = self.gate(x).float().softmax(dim=-1)
+        logits = self.gate(x)
+        if self.cfg.softmax_after_top_k:  # gpt-oss: the top-k logits, then their softmax
+            top, ids = logits.topk(self.cfg.top_k, dim=-1)
+            return top.to(torch.promote_types(top.dtype, torch.float32)).softmax(dim=-1).to(x.dtype), ids
+        probs = logits.float().softmax(dim=-1)
         weights, ids = probs.topk(self.cfg.top_k, dim=-1)
         if self.cfg.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -65,6 +85,10 @@ class SparseMoe(nn.Module):
     @property
     def held(self) -> range:
         return self.owned
+
+    @property
+    def plain(self) -> bool:
+        return not self.cfg.expert_bias and self.cfg.clamped_swiglu is None
 
     def run(self, expert: int, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
         return self.experts[str(expert)](x, ops)

@@ -29,7 +29,29 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [he
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":
+        inv_freq = _yarn(rope, head_dim)
     return inv_freq
+
+
+def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN's blend of interpolated (divided by the factor) and extrapolated frequencies: a
+    linear ramp over the dimensions whose rotations fall between beta_fast and beta_slow
+    within the original context (transformers' _compute_yarn_parameters, term by term)."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 class RotaryEmbedding:
@@ -41,8 +63,10 @@ class RotaryEmbedding:
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim]
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # YaRN scales both by its attention factor (1 for every other type: no rounding added)
+        scale = rope.attention_factor
+        self.cos = (emb.cos() * scale if scale != 1.0 else emb.cos()).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * scale if scale != 1.0 else emb.sin()).to(dtype=dtype, device=device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows for each token, [num_tokens, 1, head_dim]; computed once per step."""

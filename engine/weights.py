@@ -1,5 +1,5 @@
 """Load a Hugging Face safetensors checkpoint into `CausalLM`, fusing q|k|v and gate|up (each
-expert's too)."""
+expert's too; experts stored stacked, gpt-oss's, split per expert by engine/stacked_experts.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
+from engine.stacked_experts import StackedExperts, is_stacked
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Checkpoint name inside a layer -> (our parameter, shard index within the fused tensor).
@@ -25,7 +26,7 @@ _RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
             "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
 # A mixture of experts (engine/moe.py): the router, and each expert's projections by the
 # names Qwen3-MoE (mlp.experts.E.gate_proj) and Mixtral (block_sparse_moe.experts.E.w1) use.
-_ROUTER = {"mlp.gate": "moe.gate", "block_sparse_moe.gate": "moe.gate"}
+_ROUTER = {"mlp.gate": "moe.gate", "block_sparse_moe.gate": "moe.gate", "mlp.router": "moe.gate"}
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
                  "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
@@ -49,9 +50,13 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
     params = dict(model.named_parameters())
     fused: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
+    stacked = StackedExperts()  # experts stored one tensor per layer (gpt-oss)
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if is_stacked(name):
+                    stacked.add(name, f.get_tensor(name))
+                    continue
                 target, shard = _map_name(name)
                 if target is None or (target == "lm_head.weight" and model.lm_head is None):
                     continue  # tied embeddings: the head is the embedding
@@ -65,6 +70,13 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
                     loaded.add(target)
                 else:
                     fused.setdefault(target, {})[shard] = tensor
+    for target, tensor in stacked.per_expert():
+        if target not in params:
+            if model.leaves_out(target):
+                continue
+            raise CheckpointError(f"stacked experts: {target} has no place in the model")
+        _copy(params[target], tensor if select is None else select(target, None, tensor), target)
+        loaded.add(target)
     for target, shards in fused.items():
         cfg = model.layers[int(target.split(".")[1])].cfg  # the layer's own sizes (one rank's, when sharded)
         # gate|up: two halves of the model's own rows (a dense MLP's or an expert's intermediate size)
@@ -90,6 +102,8 @@ def _map_name(name: str) -> tuple[str | None, int | None]:
     if m is None:
         return name.removeprefix("model."), None
     layer, rest = m.groups()
+    if rest == "self_attn.sinks":  # gpt-oss: one logit per head
+        return f"layers.{layer}.sinks", None
     module, _, kind = rest.rpartition(".")
     if module in _FUSED:
         target, shard = _FUSED[module]

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes
+from kernels.masked_attention import masked_attention_step
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class ExpertSet(Protocol):
     num_experts: int  # in the whole layer (ids index these)
     held: range  # the experts this rank holds
     stacked: tuple[torch.Tensor, torch.Tensor] | None  # ([held, 2 * ffn, hidden], [held, hidden, ffn]) once stacked
+    plain: bool  # SiLU(gate) * up with no biases: the form a fused kernel computes (not gpt-oss's)
 
     def run(self, expert: int, x: torch.Tensor, ops: OpSet) -> torch.Tensor:
         """Expert `expert`'s MLP over rows x [rows, hidden] -> [rows, hidden]."""
@@ -148,6 +150,14 @@ class OpSet(ABC):
         """One layer's attention over the step's flat batch: q [num_tokens, num_heads, head_dim],
         k, v [num_tokens, kv_heads, head_dim] (written into their slots first), decodes then
         prefill chunks as `meta` lays them out (its decodes from `plan_decodes`) -> like q."""
+
+    def masked_attention_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None,
+                              sinks: torch.Tensor | None) -> torch.Tensor:
+        """`attention_step` with a sliding window (each query reads its last `window` positions)
+        and / or attention sinks ([num_heads] logits in each softmax's denominator). Default:
+        torch ops over the gathered context (kernels/masked_attention.py)."""
+        return masked_attention_step(self.write_kv, q, k, v, k_cache, v_cache, meta, scale, window, sinks)
 
     @abstractmethod
     def sample_step(self, processed: torch.Tensor, rows: StepSampling) -> torch.Tensor:

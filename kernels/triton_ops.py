@@ -45,10 +45,13 @@ class TritonOps(OpSet):
     paged_prefill_attention = staticmethod(paged_prefill_attention)
 
     def prepare_experts(self, experts: ExpertSet) -> None:
-        experts.stack()  # the grouped matmuls read every held expert's weights from one tensor
+        if experts.plain:  # the grouped matmuls read every held expert's weights from one tensor
+            experts.stack()
 
     def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: ExpertSet) -> torch.Tensor:
+        if experts.stacked is None:  # biased, clamped experts (gpt-oss): one expert at a time, torch ops
+            return super().moe_experts(x, weights, ids, experts)
         return fused_experts(x, *experts.stacked, weights, ids, first_expert=experts.held.start)
 
     def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:

@@ -26,6 +26,13 @@ KINDS = {
                                          mlp_only_layers=[0])),
     "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                                       num_experts_per_tok=2)),
+    # windows of 8 on alternate layers (shorter than most prompts), sinks, YaRN, biased experts
+    # whose SwiGLU clamp bites at this weight scale (limit 1.5), MXFP4-sized experts (64)
+    "gpt-oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                                     num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 128})),
 }
 
 
@@ -38,11 +45,9 @@ def write_tiny_checkpoint(folder: Path, kind: str, seed: int = 0, max_positions:
 
     cls_name, overrides = KINDS[kind]
     config_cls = getattr(transformers, cls_name)
-    cfg = config_cls(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        **{**overrides, **config},
-    )
+    base = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = config_cls(**{**base, **overrides, **config})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights so logits are far from uniform

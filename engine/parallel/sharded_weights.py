@@ -26,6 +26,8 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
         kind = target.rpartition(".")[2]  # "weight" or "bias"
         if ".moe." in target:  # the router, and whole experts (another rank's are never read)
             return tensor
+        if target.endswith(".sinks"):  # one per query head
+            return tensor[layout.q_heads.start:layout.q_heads.stop]
         if ".qkv_proj." in target:
             return tensor[q if shard == 0 else kv]
         if ".gate_up_proj." in target:

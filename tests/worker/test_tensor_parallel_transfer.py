@@ -1,20 +1,33 @@
 """Prefill and decode workers of different tensor-parallel degrees, as real processes over
-gRPC and NIXL (tiny random Qwen3-MoE, 4 query and 2 KV heads, 8 experts split across the
-ranks, float64: the KV is the attention's whatever the experts' split): 1 -> 1, 2 -> 1,
-1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at one rank, and the KV
-came from the prefill worker (the decode worker's first message names it and the blocks
-that came over), with every block free on both sides afterwards. Equal degrees move whole
-blocks rank to rank; different ones move each rank's heads (transfer/ranks.py)."""
+gRPC and NIXL, for each mixture-of-experts family's tiny random checkpoint (Qwen3-MoE, and
+gpt-oss with its sinks and a window shorter than the prompts; 4 query and 2 KV heads, 8
+experts split across the ranks, float64: the KV is the attention's whatever the experts'
+split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at
+one rank, and the KV came from the prefill worker (the decode worker's first message names
+it and the blocks that came over), with every block free on both sides afterwards. Equal
+degrees move whole blocks rank to rank; different ones move each rank's heads
+(transfer/ranks.py). Through a real gateway, the official openai client gets transformers'
+tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and a stream moved mid-way (live
+migration from a drained TP 2 worker to a TP 1 one; a replay on a TP 2 worker after a TP 1
+one is killed with kill -9) still gives them."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
+import httpx
 import pytest
+import torch
+from openai import OpenAI
 
-from bench.harness.tiny_models import write_tiny_checkpoint
+from bench.harness.gateway_procs import admin_gateway, data_lines
+from bench.harness.tiny_models import VOCAB, load_hf, write_tiny_checkpoint
 from bench.harness.worker_procs import start_workers
 from common.sampling_params import SamplingParams
+from common.tokenizer import Tokenizer
+from deploy.drain import DrainEnd, drain, holdings_of
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
@@ -22,11 +35,32 @@ from tests.worker.grpc_calls import RPC_TIMEOUT_S, assert_idle, generate_request
 
 BLOCK = 16
 ARGS = ["--dtype", "float64", "--kv-blocks", "64", "--max-num-batched-tokens", "32"]
+ADMIN_TOKEN = "admin-token-for-the-families-test"
+# The workers a stream moves from: every step lasts at least 50 ms, so a 48-token stream is
+# still mid-way when the test moves it after its 4th chunk, on any host.
+STEP_FLOOR = {"PDSERVE_FAULT_STEP_FLOOR_S": "0.05"}
+MOVED_TOKENS = 48
+
+
+@pytest.fixture(scope="module", params=["qwen3-moe", "gpt-oss"])
+def model(request, tmp_path_factory, smollm2_dir):
+    folder = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=7)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's; the prompts are ids < VOCAB
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "qwen3-moe", seed=7)
+def hf_text(model):
+    """prompt, n -> the text of transformers' n greedy tokens (float64, no EOS), as the gateway detokenizes it."""
+    hf, tokenizer = load_hf(model), Tokenizer.from_pretrained(model)
+
+    def text(prompt: list[int], n: int) -> str:
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        return tokenizer.decode(out[0, len(prompt):].tolist())
+    return text
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +100,79 @@ def test_kv_pushed_between_degrees_gives_one_ranks_tokens(workers, model, prefil
     assert [(s.prefill_worker, s.local_prefill) for s in served] == [(p.address, pb.LOCAL_PREFILL_NONE)]
     assert served[0].kv_blocks == -(-len(prompt) // BLOCK)  # every block of the prompt came over
     assert_idle(p, d)
+
+
+def _prompt(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (40,), generator=g).tolist()  # 3 blocks; 5 windows of gpt-oss's 8
+
+
+def test_the_openai_client_gets_transformers_tokens_between_degrees(workers, model, hf_text, tmp_path):
+    with admin_gateway(model, [workers["decode", 1].address], [workers["prefill", 2].address],
+                       tmp_path / "gateway.log", ADMIN_TOKEN) as (url, members):
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+            p, d = workers["prefill", prefill_tp], workers["decode", decode_tp]
+            members([d.address], [p.address])
+            prompt = _prompt(prefill_tp)
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert out.choices[0].text == hf_text(prompt, 12), (prefill_tp, decode_tp)
+            assert out.usage.completion_tokens == 12
+            assert f"prefill on {p.address}" in d.log_path.read_text(errors="replace")
+            assert_idle(p, d)
+
+
+def test_a_stream_moved_between_degrees_live_or_replayed_gives_transformers_tokens(workers, model, hf_text,
+                                                                                   tmp_path):
+    d1, d2, p1, p2 = (workers["decode", 1], workers["decode", 2], workers["prefill", 1], workers["prefill", 2])
+    movers = start_workers([("decode", [*ARGS, "--worker-id", "7", "--tensor-parallel-size", "2"], STEP_FLOOR),
+                            ("decode", [*ARGS, "--worker-id", "8"], STEP_FLOOR)], model, tmp_path)
+    a, c = movers
+    try:
+        with admin_gateway(model, [a.address], [p1.address], tmp_path / "gateway.log", ADMIN_TOKEN,
+                           "--health-interval", "3600") as (url, members):
+            def hand_off() -> None:  # live migration: a (TP 2) keeps the KV, d1 (TP 1) pulls it
+                members([d1.address], [p1.address])
+                result = drain(lambda: holdings_of(a.stub.Drain(pb.DrainRequest(hand_off=True), timeout=30)),
+                               a.alive, lambda: True, bound_s=300, health_interval_s=2, unhealthy_after=3)
+                assert result.end is DrainEnd.EMPTY, result
+
+            prompt = _prompt(21)
+            assert _stream_through(url, prompt, hand_off) == hf_text(prompt, MOVED_TOKENS)
+            assert "kept KV pushed to its taker" in a.log_path.read_text(errors="replace")
+            assert f"KV from {a.address}" in d1.log_path.read_text(errors="replace")
+
+            def kill() -> None:  # replay: c (TP 1) dies; d2 (TP 2) gets the streamed tokens' KV from p2
+                members([c.address, d2.address], [p2.address])
+                c.kill()
+
+            members([c.address], [p2.address])
+            prompt = _prompt(22)
+            replays = d2.log_path.read_text(errors="replace").count(", remote prefill")
+            assert _stream_through(url, prompt, kill) == hf_text(prompt, MOVED_TOKENS)
+            assert d2.log_path.read_text(errors="replace").count(", remote prefill") == replays + 1
+        assert_idle(d1, d2, p1, p2)
+    finally:
+        for w in movers:
+            w.stop()
+
+
+def _stream_through(url: str, prompt: list[int], move) -> str:
+    """A greedy stream of MOVED_TOKENS through the gateway, `move` called after its 4th chunk; its text."""
+    body = {"model": httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"], "prompt": prompt,
+            "max_tokens": MOVED_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    text, chunks = [], 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in data_lines(resp.iter_lines()):
+            if line == "data: [DONE]":
+                break
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            text.append(event["choices"][0]["text"])
+            chunks += 1
+            if chunks == 4:
+                move()
+    return "".join(text)
