@@ -15,15 +15,12 @@ from typing import Any
 
 import torch
 
+from engine.models import find_family
+from engine.models.family import UnsupportedModelError
 from kernels.dtype_choice import auto_dtype
 from kernels.host import log_choice
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Weight formats a checkpoint's quantization_config may name: gpt-oss's MXFP4 experts, dequantized
-# at load to the serving dtype (engine/stacked_experts.py)
-SUPPORTED_QUANTIZATION = ("mxfp4",)
 
 AUTO_DTYPE = "auto"
 DTYPES = {
@@ -35,10 +32,6 @@ DTYPES = {
     "fp16": torch.float16,
     "float64": torch.float64,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint asks for something this engine cannot run (names what and why)."""
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: str = "cpu") -> tuple[torch.dtype, str]:
@@ -122,9 +115,9 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMS norm over each q and k head before rotary
     moe: MoeConfig | None = None  # experts in place of the MLP on some layers
     eos_token_ids: tuple[int, ...] = ()
@@ -178,18 +171,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise UnsupportedModelError(
-                f"architecture {archs or cfg.get('model_type')!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        """The shared fields read here; the family's own (biases, norms, experts, windows,
+        sinks) by its module in the registry (engine/models/)."""
+        family, arch = find_family(cfg.get("architectures") or [], cfg.get("model_type"))
         quant = (cfg.get("quantization_config") or {}).get("quant_method")
-        if quant is not None and (quant not in SUPPORTED_QUANTIZATION or arch != "GptOssForCausalLM"):
-            raise UnsupportedModelError(
-                f"quantization_config quant_method={quant!r} is not supported (only gpt-oss's 'mxfp4' experts, "
-                "dequantized at load); serve the unquantized checkpoint")
+        if quant is not None and quant not in family.quantization:
+            loads = f"{family.name} loads {', '.join(family.quantization)}" if family.quantization else \
+                f"{family.name} loads no quantized checkpoint"
+            raise UnsupportedModelError(f"quantization_config quant_method={quant!r} is not supported ({loads}); "
+                                        "serve the unquantized checkpoint")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"hidden_act={act!r} is not supported (only 'silu')")
@@ -197,18 +187,8 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding, window_layers = None, ()
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window",
-                                                  arch in ("MistralForCausalLM", "MixtralForCausalLM",
-                                                           "GptOssForCausalLM")):
-            sliding = int(cfg["sliding_window"])
-        layer_types = set(cfg.get("layer_types") or ())
-        if arch == "GptOssForCausalLM" and sliding is not None:  # its own alternation, by layer_types
-            window_layers = tuple(i for i, t in enumerate(cfg.get("layer_types") or ()) if t == "sliding_attention")
-        elif sliding is not None and len(layer_types) > 1:  # Qwen2/3's max_window_layers: windows on some layers
-            raise UnsupportedModelError(
-                f"a sliding window on some layers only (layer_types {sorted(layer_types)}) is not supported: "
-                "every layer attends to the whole sequence, or every layer to the window")
+        own = family.config_fields(cfg, arch)
+        moe = own.pop("moe", None)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -222,42 +202,13 @@ class ModelConfig:
             rope=_rope_config(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            o_bias=arch != "Qwen2ForCausalLM" and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-            moe=_moe_config(cfg, arch),
+            moe=MoeConfig(**moe) if moe is not None else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            sliding_window=sliding,
-            window_layers=window_layers,
-            attention_sinks=arch == "GptOssForCausalLM",
             name=name,
+            **own,
         )
-
-
-def _moe_config(cfg: dict[str, Any], arch: str) -> MoeConfig | None:
-    """The experts of a mixture-of-experts family; None for a dense one."""
-    layers = cfg["num_hidden_layers"]
-    if arch == "MixtralForCausalLM":  # every layer sparse; top-k weights always renormalised
-        return MoeConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True,
-                         tuple(range(layers)))
-    if arch == "Qwen3MoeForCausalLM":
-        if cfg.get("shared_expert_intermediate_size"):
-            raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported yet")
-        # the released checkpoints say num_experts; transformers >= 5 writes num_local_experts
-        experts, step = cfg.get("num_experts", cfg.get("num_local_experts", 0)), cfg.get("decoder_sparse_step", 1)
-        dense = set(cfg.get("mlp_only_layers") or ())
-        sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-        if not sparse:
-            return None
-        return MoeConfig(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                         bool(cfg.get("norm_topk_prob", False)), sparse)
-    if arch == "GptOssForCausalLM":  # every layer sparse; softmax over the top-k biased logits
-        return MoeConfig(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], False,
-                         tuple(range(layers)), router_bias=True, softmax_after_top_k=True, expert_bias=True,
-                         clamped_swiglu=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))))
-    return None
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

@@ -11,10 +11,13 @@ import torch
 from safetensors import safe_open
 
 from engine.model import CausalLM
+from engine.models import family_of
+from engine.models.family import Family
 from engine.stacked_experts import StackedExperts, is_stacked
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# Checkpoint name inside a layer -> (our parameter, shard index within the fused tensor).
+# The decoder's own names, every family's: checkpoint module inside a layer -> (our
+# parameter, shard index within the fused tensor) or our module.
 _FUSED = {
     "self_attn.q_proj": ("qkv_proj", 0),
     "self_attn.k_proj": ("qkv_proj", 1),
@@ -22,14 +25,7 @@ _FUSED = {
     "mlp.gate_proj": ("gate_up_proj", 0),
     "mlp.up_proj": ("gate_up_proj", 1),
 }
-_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj",
-            "self_attn.q_norm": "q_norm", "self_attn.k_norm": "k_norm"}
-# A mixture of experts (engine/moe.py): the router, and each expert's projections by the
-# names Qwen3-MoE (mlp.experts.E.gate_proj) and Mixtral (block_sparse_moe.experts.E.w1) use.
-_ROUTER = {"mlp.gate": "moe.gate", "block_sparse_moe.gate": "moe.gate", "mlp.router": "moe.gate"}
-_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)")
-_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-                 "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None)}
+_RENAMED = {"self_attn.o_proj": "o_proj", "mlp.down_proj": "down_proj"}
 
 
 class CheckpointError(ValueError):
@@ -44,6 +40,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
     """`select`: cuts each checkpoint tensor to the part this model holds, before it is
     checked and placed (a tensor-parallel rank's slice: engine/parallel/sharded_weights.py)."""
     folder = Path(folder)
+    family = family_of(model.cfg.architecture)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {folder}")
@@ -54,10 +51,10 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if is_stacked(name):
+                if family.stacked_experts and is_stacked(name):
                     stacked.add(name, f.get_tensor(name))
                     continue
-                target, shard = _map_name(name)
+                target, shard = _map_name(name, family)
                 if target is None or (target == "lm_head.weight" and model.lm_head is None):
                     continue  # tied embeddings: the head is the embedding
                 if target not in params:
@@ -94,7 +91,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
         raise CheckpointError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _map_name(name: str) -> tuple[str | None, int | None]:
+def _map_name(name: str, family: Family) -> tuple[str | None, int | None]:
     """Our parameter name (and fused shard) for a checkpoint tensor; None to skip it."""
     if name.endswith("rotary_emb.inv_freq"):
         return None, None
@@ -102,20 +99,19 @@ def _map_name(name: str) -> tuple[str | None, int | None]:
     if m is None:
         return name.removeprefix("model."), None
     layer, rest = m.groups()
-    if rest == "self_attn.sinks":  # gpt-oss: one logit per head
-        return f"layers.{layer}.sinks", None
+    if rest in family.layer_names:  # a tensor the family names itself (gpt-oss's sinks)
+        return f"layers.{layer}.{family.layer_names[rest]}", None
     module, _, kind = rest.rpartition(".")
     if module in _FUSED:
         target, shard = _FUSED[module]
         return f"layers.{layer}.{target}.{kind}", shard
-    if e := _EXPERT.fullmatch(module):
+    if family.expert_names is not None and (e := family.expert_names.fullmatch(module)):
         expert, part = e.groups()
-        if part in _EXPERT_PARTS:
-            target, shard = _EXPERT_PARTS[part]
+        if part in family.expert_parts:
+            target, shard = family.expert_parts[part]
             return f"layers.{layer}.moe.experts.{expert}.{target}.{kind}", shard
-    if module in _ROUTER:
-        return f"layers.{layer}.{_ROUTER[module]}.{kind}", None
-    return f"layers.{layer}.{_RENAMED.get(module, module)}.{kind}", None
+    module = family.layer_names.get(module) or _RENAMED.get(module, module)
+    return f"layers.{layer}.{module}.{kind}", None
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

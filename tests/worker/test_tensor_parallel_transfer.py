@@ -1,15 +1,16 @@
 """Prefill and decode workers of different tensor-parallel degrees, as real processes over
-gRPC and NIXL, for each mixture-of-experts family's tiny random checkpoint (Qwen3-MoE, and
-gpt-oss with its sinks and a window shorter than the prompts; 4 query and 2 KV heads, 8
-experts split across the ranks, float64: the KV is the attention's whatever the experts'
-split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at
+gRPC and NIXL, for each new family's tiny random checkpoint (Qwen3; the mixtures of experts
+Qwen3-MoE, Mixtral, and gpt-oss with its sinks and a window shorter than the prompts; 4
+query and 2 KV heads, 8 experts split across the ranks, float64: the KV is the attention's
+whatever the experts' split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at
 one rank, and the KV came from the prefill worker (the decode worker's first message names
 it and the blocks that came over), with every block free on both sides afterwards. Equal
 degrees move whole blocks rank to rank; different ones move each rank's heads
 (transfer/ranks.py). Through a real gateway, the official openai client gets transformers'
-tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and a stream moved mid-way (live
-migration from a drained TP 2 worker to a TP 1 one; a replay on a TP 2 worker after a TP 1
-one is killed with kill -9) still gives them."""
+tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and for the two mixture-of-experts
+families whose attention differs (Qwen3-MoE's q/k norms, gpt-oss's sinks and windows), a
+stream moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay on a
+TP 2 worker after a TP 1 one is killed with kill -9) still gives them."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ STEP_FLOOR = {"PDSERVE_FAULT_STEP_FLOOR_S": "0.05"}
 MOVED_TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["qwen3-moe", "gpt-oss"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "mixtral", "gpt-oss"])
 def model(request, tmp_path_factory, smollm2_dir):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=7)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's; the prompts are ids < VOCAB
@@ -124,6 +125,7 @@ def test_the_openai_client_gets_transformers_tokens_between_degrees(workers, mod
             assert_idle(p, d)
 
 
+@pytest.mark.parametrize("model", ["qwen3-moe", "gpt-oss"], indirect=True)
 def test_a_stream_moved_between_degrees_live_or_replayed_gives_transformers_tokens(workers, model, hf_text,
                                                                                    tmp_path):
     d1, d2, p1, p2 = (workers["decode", 1], workers["decode", 2], workers["prefill", 1], workers["prefill", 2])
