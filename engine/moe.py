@@ -108,5 +108,6 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: OpSet) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         weights, ids = self.route(x)
-        self.routed += torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)
-        return ops.moe_experts(x, weights, ids, self)
+        counts = torch.bincount(ids.flatten(), minlength=self.cfg.num_experts)  # once: the metric's and the grouping's
+        self.routed += counts
+        return ops.moe_experts(x, weights, ids, self, counts)

@@ -170,17 +170,20 @@ class OpSet(ABC):
         """After the weights are loaded: lay an expert layer out as `moe_experts` reads it here
         (default: as loaded, one set of linears per expert)."""
 
-    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: ExpertSet) -> torch.Tensor:
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertSet,
+                    counts: torch.Tensor | None = None) -> torch.Tensor:
         """x [tokens, hidden], weights and ids [tokens, k] (each token's experts, by global index,
         and their routing weights in x's dtype) -> [tokens, hidden]: the weighted sum of each
-        token's experts that `experts` holds (another rank's count zero here). Default: the
-        token slots grouped by expert (one stable sort), each held expert's MLP run once over
-        its rows, weighted and added back."""
+        token's experts that `experts` holds (another rank's count zero here). `counts`: the
+        slots routed to each expert [num_experts] if the caller has them (computed otherwise).
+        Default: the token slots grouped by expert (one stable sort), each held expert's MLP
+        run once over its rows, weighted and added back."""
         k = ids.shape[1]
         flat = ids.flatten()  # slot j of token t at t * k + j
         order = flat.argsort(stable=True)
-        ends = torch.bincount(flat, minlength=experts.num_experts).cumsum(0).tolist()
+        if counts is None:
+            counts = torch.bincount(flat, minlength=experts.num_experts)
+        ends = counts.cumsum(0).tolist()
         out = torch.zeros_like(x)
         flat_weights = weights.flatten()
         for e in experts.held:

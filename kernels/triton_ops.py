@@ -48,10 +48,10 @@ class TritonOps(OpSet):
         if experts.plain:  # the grouped matmuls read every held expert's weights from one tensor
             experts.stack()
 
-    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    experts: ExpertSet) -> torch.Tensor:
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertSet,
+                    counts: torch.Tensor | None = None) -> torch.Tensor:
         if experts.stacked is None:  # biased, clamped experts (gpt-oss): one expert at a time, torch ops
-            return super().moe_experts(x, weights, ids, experts)
+            return super().moe_experts(x, weights, ids, experts, counts)
         return fused_experts(x, *experts.stacked, weights, ids, first_expert=experts.held.start)
 
     def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:

@@ -6,30 +6,10 @@ pool are worker/metrics.py's pdserve_engine_prefix_tier_tokens_total{tier="disk"
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
-from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.disk_tier import DiskTierStats
-
-
-class DiskTierCollector:
-    """The prometheus collector over the current engine's disk tier (a role change makes a
-    new engine: `watch` points it there)."""
-
-    def __init__(self) -> None:
-        self.read: Callable[[], DiskTierStats | None] = lambda: None
-
-    def describe(self):
-        """The series' names, for the registry, without reading the engine (which may not
-        be built yet, or a stand-in without a tier)."""
-        return _families(DiskTierStats(0, 0, 0, 0, 0, 0, 0, 0))
-
-    def collect(self):
-        s = self.read()
-        return [] if s is None else _families(s)
+from worker.watched_collector import WatchedCollector
 
 
 def _families(s: DiskTierStats) -> list:
@@ -46,17 +26,7 @@ def _families(s: DiskTierStats) -> list:
             + [CounterMetricFamily(f"pdserve_engine_kv_disk_{name}", doc, value=v) for name, doc, v in counters])
 
 
-_COLLECTOR = DiskTierCollector()
-_registered = False
-_lock = threading.Lock()
-
-
-def watch(read: Callable[[], DiskTierStats | None]) -> None:
-    """Export the stats `read` returns (the engine's disk_tier_stats) from now on; registered
-    in this process's registry on first use."""
-    global _registered
-    with _lock:
-        _COLLECTOR.read = read
-        if not _registered:
-            REGISTRY.register(_COLLECTOR)
-            _registered = True
+# The series' names for the registry come from a zero reading: describing reads no engine.
+_COLLECTOR = WatchedCollector(_families, lambda: _families(DiskTierStats(0, 0, 0, 0, 0, 0, 0, 0)))
+# watch(read): export the stats `read` returns (the engine's disk_tier_stats) from now on
+watch = _COLLECTOR.watch
