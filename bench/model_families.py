@@ -3,7 +3,7 @@ checkpoint shape, a mixture of experts' layer time split, and KV bytes per token
 
     python -m bench.model_families [--requests 16] [--prompt 128] [--output 32] [--dtype float32]
 
-One run on this host, for each family (Llama, Qwen3, Qwen3-MoE, Mixtral, gpt-oss): a random-weight
+One run on this host, for each family (Llama, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, DeepSeek-V3): a random-weight
 checkpoint of one small shape written with transformers (hidden 512, 8 layers, 8 query and
 2 KV heads of 64; the MoE families 16 experts, top 2, each expert a quarter of the dense
 MLP's width, so about as much compute a token as the dense ones), then (1) pdserve's
@@ -51,11 +51,18 @@ FAMILIES = {  # name: (transformers config class, what differs from SHAPE)
                                          "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                          "truncate": False, "original_max_position_embeddings": 64,
                                          "rope_theta": 150000.0})),
+    # latent attention (q LoRA 192, latent 128 + rotary 32 a token: 320 B a layer in float16 terms
+    # against GQA's 512 here), 16 experts in 4 groups, one shared expert, layer 0 dense
+    "deepseek-v3": ("DeepseekV3Config", dict(num_key_value_heads=8, q_lora_rank=192, kv_lora_rank=128,
+                                             qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, head_dim=32,
+                                             n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=384,
+                                             n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1)),
 }
 # KV bytes per token of the published configs each family stands for (config.json values:
 # layers, KV heads, head_dim), at bfloat16.
 PUBLISHED = {"Llama-3.1-8B": (32, 8, 128), "Qwen3-8B": (36, 8, 128), "Qwen3-30B-A3B": (48, 4, 128),
-             "Mixtral-8x7B": (32, 8, 128), "gpt-oss-120b": (36, 8, 64)}
+             "Mixtral-8x7B": (32, 8, 128), "gpt-oss-120b": (36, 8, 64),
+             "DeepSeek-V3": (61, 1, 288)}  # its latent entry, 512 + 64, as the pool's K and V halves
 # gpt-oss-120b: 18 of its 36 layers windowed at 128 positions: past 128 tokens of context, what
 # those layers' attention reads stops growing; pdserve still keeps and ships every position of
 # every layer (the KV blocks are shared by all layers), so its bytes per token are the full ones.

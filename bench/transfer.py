@@ -1,6 +1,6 @@
 """KV push bandwidth over NIXL against memcpy and a numpy gather of the same bytes.
 
-    python -m bench.transfer [--quick] [--tokens 2048] [--repeats 5] [--layouts smollm2,llama8b]
+    python -m bench.transfer [--quick] [--tokens 2048] [--repeats 5] [--layouts smollm2,llama8b,dsv3-mla,dsv3-gqa]
         [--tp-pairs 1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1] [--tp-replicated 1:1,4:4,2:4,1:4,4:1]
         [--json bench/results/transfer.json]
 
@@ -95,6 +95,11 @@ class LayoutShape:
 LAYOUTS = {
     "smollm2": LayoutShape("SmolLM2-135M", num_layers=30, num_kv_heads=3, head_dim=64),  # 360 KiB/block
     "llama8b": LayoutShape("Llama-8B shape", num_layers=32, num_kv_heads=8, head_dim=128),  # 2 MiB/block
+    # DeepSeek-V3's latent pool: 61 layers, one entry of 512 + 64 a token, halved over the K and V
+    # planes (engine/config.py), 1.1 MiB/block; beside it a GQA model of its hidden size (7168 =
+    # 56 heads of 128) and layers with 8 KV heads, as Llama-70B has them: 3.8 MiB/block
+    "dsv3-mla": LayoutShape("DeepSeek-V3 MLA", num_layers=61, num_kv_heads=1, head_dim=288),
+    "dsv3-gqa": LayoutShape("GQA same shape", num_layers=61, num_kv_heads=8, head_dim=128),
 }
 
 
@@ -429,10 +434,14 @@ def render(args: argparse.Namespace, conditions: dict, rows: list[Row]) -> str:
         best = max(mine, key=lambda r: r.push_gbps)
         worst = min(mine, key=lambda r: r.push_gbps)
         to_cma = [r.push_gbps / r.cma_gbps for r in mine]
-        lines.append(f"{LAYOUTS[name].label} ({mine[0].push_bytes / 2**20:.1f} MiB per push): fastest at "
+        shape = LAYOUTS[name]
+        per_layer = 2 * shape.num_kv_heads * shape.head_dim * 2  # bytes a token, one layer, bfloat16
+        lines.append(f"{shape.label} ({mine[0].push_bytes / 2**20:.1f} MiB per push): fastest at "
                      f"{best.regions_per_block} regions/block ({best.region_bytes / 1024:g} KiB), "
                      f"{best.push_gbps / worst.push_gbps:.2f}x the slowest ({worst.regions_per_block} regions/block, "
-                     f"{worst.region_bytes / 1024:g} KiB); push/CMA {min(to_cma):.2f}-{max(to_cma):.2f}x")
+                     f"{worst.region_bytes / 1024:g} KiB); push/CMA {min(to_cma):.2f}-{max(to_cma):.2f}x; "
+                     f"KV {per_layer} B a token a layer, {per_layer * shape.num_layers} B a token; push "
+                     f"{statistics.median(best.push_s) / c['tokens'] * 1e6:.2f} us a prompt token")
     return "\n".join(lines)
 
 
@@ -515,8 +524,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "bench/results/transfer.json, transfer_quick.json with --quick; '' for none)")
     args = p.parse_args(argv)
     quick = args.quick
-    defaults = dict(tokens=256 if quick else 2048, repeats=2 if quick else 5, layouts="smollm2" if quick else
-                    "smollm2,llama8b", tp_pairs="2:2,2:1,1:2" if quick else "1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1",
+    defaults = dict(tokens=256 if quick else 2048, repeats=2 if quick else 5,
+                    layouts="smollm2" if quick else "smollm2,llama8b,dsv3-mla,dsv3-gqa",
+                    tp_pairs="2:2,2:1,1:2" if quick else "1:1,2:2,4:4,2:1,1:2,4:2,2:4,4:1",
                     tp_replicated="4:1" if quick else "1:1,4:4,2:4,1:4,4:1",
                     json=str(RESULTS / ("transfer_quick.json" if quick else "transfer.json")))
     for name, value in defaults.items():

@@ -87,6 +87,19 @@ class MoeConfig:
     softmax_after_top_k: bool = False
     expert_bias: bool = False
     clamped_swiglu: tuple[float, float] | None = None
+    # DeepSeek-V3: sigmoid scores (softmax otherwise), a correction bias added to them to choose
+    # (not to weigh), the top-k taken among the best `groups[1]` of `groups[0]` expert groups,
+    # the weights scaled by `routed_scale`; and shared experts every token goes through (their
+    # intermediate size; 0: none)
+    sigmoid_scores: bool = False
+    correction_bias: bool = False
+    groups: tuple[int, int] | None = None
+    # DeepSeek's float32 router that weighs the chosen experts by their own scores (V2: softmax
+    # scores, a group's score its best expert's; V3: sigmoid, its two best summed)
+    deepseek_router: bool = False
+    group_by_max: bool = False
+    routed_scale: float = 1.0
+    shared_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -96,6 +109,30 @@ class MoeConfig:
     @property
     def experts_held(self) -> range:
         return range(*self.held) if self.held is not None else range(self.num_experts)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, engine/mla.py): a token's KV is one latent
+    of `kv_lora_rank` values (RMS-normed) and one rotary key of `qk_rope_head_dim`, the same for
+    every head; queries come through a LoRA of `q_lora_rank` (None: one projection)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale squared where the config has one
+    rope_interleave: bool  # the rotary dimensions in pairs (DeepSeek's checkpoints), not halves
+
+    @property
+    def entry_size(self) -> int:
+        """Values a token's cache entry holds per layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -128,6 +165,10 @@ class ModelConfig:
     # whose every layer has the window (Mistral): those serve up to the window, see max_model_len
     window_layers: tuple[int, ...] = ()
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit in each softmax's denominator
+    # DeepSeek: latent attention in place of q|k|v. The pool then holds one "KV head" whose K and
+    # V planes are the two halves of a token's entry (num_kv_heads 1, head_dim entry_size / 2,
+    # rounded up): every path that moves blocks moves the latent unchanged, no byte wasted
+    mla: MlaConfig | None = None
     name: str = ""
 
     @property
@@ -146,18 +187,30 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions a query or key head rotates (MLA: its rotary part only)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.kv_size * dtype.itemsize
 
     def num_parameters(self) -> int:
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if (m := self.mla) is not None:  # the query (through its LoRA), the latent's projection and norm, kv_b, o
+            h, heads = self.hidden_size, self.num_heads
+            query = h * heads * m.qk_head_dim if m.q_lora_rank is None else \
+                m.q_lora_rank * (h + 1 + heads * m.qk_head_dim)
+            attn = query + h * m.entry_size + m.kv_lora_rank * (1 + heads * (m.qk_nope_head_dim + m.v_head_dim)) \
+                + heads * m.v_head_dim * h
         mlp = 3 * self.hidden_size * self.intermediate_size
         norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         total = self.num_layers * (attn + mlp + norms) + embed + head + self.hidden_size
         if self.moe is not None:  # those layers' experts and router instead of the dense MLP
-            experts = self.moe.num_experts * (3 * self.hidden_size * self.moe.intermediate_size + self.hidden_size)
+            experts = self.moe.num_experts * (3 * self.hidden_size * self.moe.intermediate_size + self.hidden_size) \
+                + 3 * self.hidden_size * self.moe.shared_intermediate_size
             total += len(self.moe.sparse_layers) * (experts - mlp)
         return total
 
@@ -188,8 +241,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         own = family.config_fields(cfg, arch)
-        moe = own.pop("moe", None)
-        return cls(
+        moe, mla = own.pop("moe", None), own.pop("mla", None)
+        shared = dict(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -204,11 +257,12 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             moe=MoeConfig(**moe) if moe is not None else None,
+            mla=MlaConfig(**mla) if mla is not None else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             name=name,
-            **own,
         )
+        return cls(**{**shared, **own})  # a family may set a shared field its own way (MLA's KV head)
 
 
 def _rope_config(cfg: dict[str, Any]) -> RopeConfig:

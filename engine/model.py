@@ -17,6 +17,7 @@ import kernels
 import kernels.linear
 import kernels.reference
 from engine.config import ModelConfig
+from engine.mla import LatentAttention
 from engine.moe import SparseMoe
 from engine.rotary import RotaryEmbedding
 from kernels.attention_step import AttentionMetadata
@@ -58,8 +59,12 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.q_size, h, bias=cfg.o_bias)
+        # DeepSeek: latent attention (engine/mla.py) in place of q|k|v; o_proj either way
+        self.mla = LatentAttention(cfg, Linear, RMSNorm) if cfg.mla is not None else None
+        if self.mla is None:
+            self.qkv_proj = Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        o_inputs = cfg.num_heads * cfg.mla.v_head_dim if cfg.mla is not None else cfg.q_size
+        self.o_proj = Linear(o_inputs, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         # the MLP: dense, or a mixture of experts on the layers the config names (engine/moe.py)
         self.moe = SparseMoe(h, cfg.moe, Linear) if cfg.moe and index in cfg.moe.sparse_layers else None
@@ -86,13 +91,24 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), both [num_tokens, hidden]
         """The residual adds are fused into the next norm: `add_rms_norm(x, residual)` is
         (norm(residual + x), residual + x), the same numbers as adding first."""
-        cfg = self.cfg
-        n = x.shape[0]
         norm = self.input_layernorm
         if residual is None:
             h, residual = ops.rms_norm(x, norm.weight, norm.eps), x
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        if self.mla is not None:
+            attn = self.mla(h, cos_sin, k_cache, v_cache, meta, ops)
+        else:
+            attn = self._attention(h, cos_sin, k_cache, v_cache, meta, ops)
+        norm = self.post_attention_layernorm
+        h, residual = ops.add_rms_norm(self.o_proj(attn), residual, norm.weight, norm.eps)
+        if self.moe is not None:
+            return self.moe(h, ops), residual
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
+
+    def _attention(self, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata, ops: OpSet) -> torch.Tensor:  # [n, q_size]
+        cfg, n = self.cfg, h.shape[0]
         qkv = self.qkv_proj(h)
         qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
         qk = qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -107,11 +123,7 @@ class DecoderLayer(nn.Module):
             attn = ops.attention_step(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
             attn = ops.masked_attention_step(q, k, v, k_cache, v_cache, meta, self.scale, self.window, self.sinks)
-        norm = self.post_attention_layernorm
-        h, residual = ops.add_rms_norm(self.o_proj(attn.reshape(n, cfg.q_size)), residual, norm.weight, norm.eps)
-        if self.moe is not None:
-            return self.moe(h, ops), residual
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
+        return attn.reshape(n, cfg.q_size)
 
 
 class CausalLM(nn.Module):
@@ -126,7 +138,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
         self.to(dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_model_len, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotary_dim, cfg.max_model_len, dtype, device)
         self.ops = kernels.get_ops(device)
         self._head_packed: kernels.linear.PackedWeight | None = None
         # Called after every decoder layer when set: a worker's chance to make progress on

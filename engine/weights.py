@@ -54,7 +54,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
                 if family.stacked_experts and is_stacked(name):
                     stacked.add(name, f.get_tensor(name))
                     continue
-                target, shard = _map_name(name, family)
+                target, shard = _map_name(name, family, model.cfg.num_layers)
                 if target is None or (target == "lm_head.weight" and model.lm_head is None):
                     continue  # tied embeddings: the head is the embedding
                 if target not in params:
@@ -91,7 +91,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
         raise CheckpointError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _map_name(name: str, family: Family) -> tuple[str | None, int | None]:
+def _map_name(name: str, family: Family, num_layers: int) -> tuple[str | None, int | None]:
     """Our parameter name (and fused shard) for a checkpoint tensor; None to skip it."""
     if name.endswith("rotary_emb.inv_freq"):
         return None, None
@@ -99,19 +99,22 @@ def _map_name(name: str, family: Family) -> tuple[str | None, int | None]:
     if m is None:
         return name.removeprefix("model."), None
     layer, rest = m.groups()
+    if family.extra_layers and int(layer) >= num_layers:  # DeepSeek's multi-token prediction layer
+        return None, None
     if rest in family.layer_names:  # a tensor the family names itself (gpt-oss's sinks)
         return f"layers.{layer}.{family.layer_names[rest]}", None
     module, _, kind = rest.rpartition(".")
-    if module in _FUSED:
-        target, shard = _FUSED[module]
+    if module in family.layer_names:  # the family's own first: DeepSeek's q_proj is not a q|k|v part
+        return f"layers.{layer}.{family.layer_names[module]}.{kind}", None
+    if module in _FUSED or module in family.fused_names:
+        target, shard = _FUSED.get(module) or family.fused_names[module]
         return f"layers.{layer}.{target}.{kind}", shard
     if family.expert_names is not None and (e := family.expert_names.fullmatch(module)):
         expert, part = e.groups()
         if part in family.expert_parts:
             target, shard = family.expert_parts[part]
             return f"layers.{layer}.moe.experts.{expert}.{target}.{kind}", shard
-    module = family.layer_names.get(module) or _RENAMED.get(module, module)
-    return f"layers.{layer}.{module}.{kind}", None
+    return f"layers.{layer}.{_RENAMED.get(module, module)}.{kind}", None
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

@@ -35,7 +35,7 @@ def masked_attention_step(
         keys = k_cache.index_select(0, g.block_tables.flatten()).view(n, width, kv_heads, head_dim)
         values = v_cache.index_select(0, g.block_tables.flatten()).view(n, width, kv_heads, head_dim)
         last = (g.context_lens - 1)[:, None, None]  # [n, 1, 1]: each query's own position
-        valid = _visible(torch.arange(width, device=q.device)[None, None, :], last, window)
+        valid = visible(torch.arange(width, device=q.device)[None, None, :], last, window)
         parts.append(attend(q[g.start:g.end, None], keys, values, valid, scale, sinks)[:, 0])
     for span in meta.prefills:
         s, e, ctx = span.start, span.start + span.num_new, span.context_len
@@ -43,12 +43,12 @@ def masked_attention_step(
         keys = k_cache.index_select(0, table).flatten(0, 1)[:ctx]
         values = v_cache.index_select(0, table).flatten(0, 1)[:ctx]
         q_pos = torch.arange(ctx - span.num_new, ctx, device=q.device)[None, :, None]
-        valid = _visible(torch.arange(ctx, device=q.device)[None, None, :], q_pos, window)
+        valid = visible(torch.arange(ctx, device=q.device)[None, None, :], q_pos, window)
         parts.append(attend(q[None, s:e], keys[None], values[None], valid, scale, sinks)[0])
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
-def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Causal, and inside the window: query_pos - window < key_pos <= query_pos."""
     valid = key_pos <= query_pos
     return valid if window is None else valid & (key_pos > query_pos - window)
@@ -57,11 +57,11 @@ def _visible(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None)
 def attend(
     q: torch.Tensor,  # [batch, t, num_heads, head_dim]
     k: torch.Tensor,  # [batch, s, kv_heads, head_dim]
-    v: torch.Tensor,
+    v: torch.Tensor,  # [batch, s, kv_heads, v_dim]: v_dim may differ from head_dim (MLA's latent)
     valid: torch.Tensor,  # [batch, t, s] bool: key visible to query
     scale: float,
     sinks: torch.Tensor | None,  # [num_heads]
-) -> torch.Tensor:  # [batch, t, num_heads, head_dim] in q's dtype
+) -> torch.Tensor:  # [batch, t, num_heads, v_dim] in q's dtype
     b, t, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -77,5 +77,5 @@ def attend(
     probs = (scores - scores.max(dim=-1, keepdim=True).values).softmax(dim=-1)
     if sinks is not None:
         probs = probs[..., :-1]
-    out = probs @ vf  # [b, kv, group, t, d]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, heads, d).to(q.dtype)
+    out = probs @ vf  # [b, kv, group, t, v_dim]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, heads, v.shape[-1]).to(q.dtype)

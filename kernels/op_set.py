@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes
+from kernels.latent_attention import latent_attention_step
 from kernels.masked_attention import masked_attention_step
 
 
@@ -158,6 +159,16 @@ class OpSet(ABC):
         and / or attention sinks ([num_heads] logits in each softmax's denominator). Default:
         torch ops over the gathered context (kernels/masked_attention.py)."""
         return masked_attention_step(self.write_kv, q, k, v, k_cache, v_cache, meta, scale, window, sinks)
+
+    def latent_attention_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                              latent: int) -> torch.Tensor:
+        """Multi-head latent attention over a latent pool, absorbed: q [num_tokens, num_heads,
+        entry] ([query in latent space | rotary query]), k, v [num_tokens, 1, entry / 2] (each new
+        token's entry, halved into the K and V planes, written first) -> [num_tokens, num_heads,
+        latent]: each head's softmax-weighted sum of the entries' first `latent` values. Default:
+        torch ops over the gathered entries (kernels/latent_attention.py)."""
+        return latent_attention_step(self.write_kv, q, k, v, k_cache, v_cache, meta, scale, latent)
 
     @abstractmethod
     def sample_step(self, processed: torch.Tensor, rows: StepSampling) -> torch.Tensor:

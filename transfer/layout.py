@@ -39,6 +39,9 @@ class KVLayout:
     head_dim: int
     dtype: str  # "bfloat16", "float32", ...
     regions_per_block: int = 1  # descriptor granularity: 1, num_layers or 2 * num_layers
+    # what a block holds per (layer, token): "kv_heads", K and V of each KV head; "latent", one
+    # latent entry (MLA: the K and V planes are its two halves, a single "head" every rank holds)
+    holds: str = "kv_heads"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -48,6 +51,8 @@ class KVLayout:
         if self.num_blocks * self.regions_per_block > MAX_REGIONS:
             raise ValueError(f"{self.num_blocks} blocks x {self.regions_per_block} regions: more than the "
                              f"{MAX_REGIONS} descriptors a peer will prepare for one pool")
+        if self.holds not in ("kv_heads", "latent"):
+            raise ValueError(f"holds={self.holds!r}: must be 'kv_heads' or 'latent'")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} not supported for transfer; use one of {sorted(DTYPE_BYTES)}")
         if self.regions_per_block not in (1, self.num_layers, 2 * self.num_layers):
@@ -55,13 +60,13 @@ class KVLayout:
                              f"({self.num_layers}) or 2 * num_layers")
 
     @classmethod
-    def of_pool(cls, pool, regions_per_block: int = 1) -> KVLayout:
+    def of_pool(cls, pool, regions_per_block: int = 1, holds: str = "kv_heads") -> KVLayout:
         """The layout of an engine KV pool tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]."""
         num_blocks, num_layers, two, block_size, kv_heads, head_dim = pool.shape
         if two != 2:
             raise ValueError(f"pool shape {tuple(pool.shape)} is not block-major [blocks, layers, 2, ...]")
         return cls(num_blocks, num_layers, block_size, kv_heads, head_dim, str(pool.dtype).removeprefix("torch."),
-                   regions_per_block)
+                   regions_per_block, holds)
 
     @property
     def block_bytes(self) -> int:

@@ -147,7 +147,9 @@ def build_agent(role: str, args: argparse.Namespace, engine: LLMEngine, model: s
     except RuntimeError as e:
         raise SystemExit(f"--tensor-parallel-size {args.tensor_parallel_size}: {e}; serve aggregated "
                          "(--no-transfer)") from None
-    return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool), model, ranks)
+    holds = "latent" if engine.config.model.mla is not None else "kv_heads"  # said in the handshake
+    return TransferAgent(agent_name(role, args.worker_id, incarnation), pool, KVLayout.of_pool(pool, holds=holds),
+                         model, ranks)
 
 
 def rpc_threads(scheduler: SchedulerConfig) -> int:

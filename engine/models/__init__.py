@@ -5,10 +5,11 @@ tests (bench/harness/tiny_models.py: the tests compare it with transformers)."""
 
 from __future__ import annotations
 
-from engine.models import gpt_oss, llama, mixtral, qwen3, qwen3_moe
+from engine.models import deepseek, gpt_oss, llama, mixtral, qwen3, qwen3_moe
 from engine.models.family import Family, UnsupportedModelError
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY,
+                                deepseek.FAMILY)
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 _BY_ARCHITECTURE = {a: f for f in FAMILIES for a in f.architectures}
 

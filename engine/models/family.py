@@ -36,7 +36,10 @@ class Family:
     # as (our parameter, its shard in the fused gate|up or None)
     expert_names: re.Pattern | None = None
     expert_parts: Mapping[str, tuple[str, int | None]] = field(default_factory=dict)
+    # inside a layer: checkpoint modules fused into one of ours -> (ours, shard), beyond q|k|v and gate|up
+    fused_names: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     stacked_experts: bool = False  # every expert of a layer in one tensor (engine/stacked_experts.py)
+    extra_layers: bool = False  # layers past num_hidden_layers (DeepSeek's multi-token prediction): skipped
     quantization: tuple[str, ...] = ()  # quantization_config quant_methods it loads (dequantized)
 
 

@@ -85,7 +85,10 @@ class TensorParallelLayout:
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The model one rank computes: its heads, KV heads, intermediate columns, vocab rows
         and experts (head_dim fixed explicitly: it no longer follows hidden / heads)."""
-        moe = replace(cfg.moe, held=(self.experts.start, self.experts.stop)) if cfg.moe is not None else None
+        moe = None
+        if cfg.moe is not None:  # shared experts on rank 0 only: the group's all-reduce adds them once
+            moe = replace(cfg.moe, held=(self.experts.start, self.experts.stop),
+                          shared_intermediate_size=cfg.moe.shared_intermediate_size if self.rank == 0 else 0)
         return replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads),
                        intermediate_size=len(self.intermediate), vocab_size=len(self.vocab), head_dim=cfg.head_dim,
                        moe=moe)

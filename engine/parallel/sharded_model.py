@@ -80,8 +80,10 @@ class ShardedCausalLM(CausalLM):
                 layer.down_proj = _row_parallel(layer.down_proj, group, self.collectives)
 
     def leaves_out(self, target: str) -> bool:
-        """Another rank's expert (expert parallelism)."""
+        """Another rank's expert (expert parallelism), or rank 0's shared experts."""
         parts = target.split(".")  # layers.L.moe.experts.E.<projection>.weight
+        if len(parts) > 3 and parts[2:4] == ["moe", "shared"]:
+            return self.layout.rank != 0
         return len(parts) > 4 and parts[2:4] == ["moe", "experts"] and int(parts[4]) not in self.layout.experts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32, on every rank

@@ -21,11 +21,19 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
     kv = slice(layout.kv_heads.start * d, layout.kv_heads.stop * d)
     ffn = slice(layout.intermediate.start, layout.intermediate.stop)
     vocab = slice(layout.vocab.start, layout.vocab.stop)
+    heads = layout.q_heads
+    if cfg.mla is not None:  # latent attention: per-head rows of the query and kv_b_proj, o's per-head inputs
+        m = cfg.mla
+        mla_rows = {"q_proj": m.qk_head_dim, "q_b_proj": m.qk_head_dim, "kv_b_proj": m.qk_nope_head_dim + m.v_head_dim}
+        q = slice(heads.start * m.v_head_dim, heads.stop * m.v_head_dim)  # o_proj's input columns
 
     def select(target: str, shard: int | None, tensor: torch.Tensor) -> torch.Tensor:
         kind = target.rpartition(".")[2]  # "weight" or "bias"
         if ".moe." in target:  # the router, and whole experts (another rank's are never read)
             return tensor
+        if ".mla." in target:  # the latent's projection and norms whole: every rank's pool holds it
+            per_head = mla_rows.get(target.split(".")[3])
+            return tensor if per_head is None else tensor[heads.start * per_head:heads.stop * per_head]
         if target.endswith(".sinks"):  # one per query head
             return tensor[layout.q_heads.start:layout.q_heads.stop]
         if ".qkv_proj." in target:

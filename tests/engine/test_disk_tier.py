@@ -357,3 +357,15 @@ def test_a_block_written_without_the_secret_is_never_served(tmp_path):
     assert again.has(h(1)) and not again.load(h(1), 0)
     assert again.stats().corrupt == 1 and not forged.exists() and torch.count_nonzero(mine[0]) == 0
     again.close()
+
+
+def test_a_latent_models_blocks_come_back_from_disk_with_the_same_tokens(tmp_path):
+    """A DeepSeek model's pool holds latents (one entry a token a layer, halved over the K and V
+    planes): its blocks go to disk and come back exactly like per-head K/V."""
+    latent = write_tiny_checkpoint(tmp_path / "deepseek", "deepseek-v3", seed=7)
+    want, _ = run(make_engine(latent, num_blocks=64), "ref", PROMPT)
+    engine = make_engine(latent, tmp_path / "disk")
+    assert run(engine, "p1", PROMPT) == (want, 0)
+    evict(engine, PROMPT)
+    assert run(engine, "p2", PROMPT) == (want, 64) and engine.disk_tier.stats().loaded >= 4
+    engine.close()

@@ -46,5 +46,6 @@ def test_a_family_reads_its_own_fields_and_the_shared_ones_are_read_for_all():
                                  "num_experts_per_tok": 2, "sliding_window": 16, "attention_bias": True,
                                  "layer_types": ["sliding_attention", "full_attention"] * 2})
     assert oss.window_layers == (0, 2) and oss.attention_sinks and oss.max_model_len == 128
-    assert oss.moe.sparse_layers == (0, 1, 2, 3) and oss.moe.softmax_after_top_k and oss.moe.clamped_swiglu == (1.702, 7.0)
+    assert oss.moe.sparse_layers == (0, 1, 2, 3) and oss.moe.softmax_after_top_k
+    assert oss.moe.clamped_swiglu == (1.702, 7.0)
     assert (oss.qkv_bias, oss.o_bias, oss.hidden_size, oss.num_kv_heads) == (True, True, 32, 2)

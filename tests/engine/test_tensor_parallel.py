@@ -111,7 +111,7 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("kind,size", [("llama-gqa", 2), ("gpt-oss", 2), ("qwen2", 2), ("qwen3", 2),
+@pytest.mark.parametrize("kind,size", [("llama-gqa", 2), ("gpt-oss", 2), ("deepseek-v3", 2), ("qwen2", 2), ("qwen3", 2),
                                        ("qwen3-moe", 2), ("mixtral", 4), ("llama-gqa", 4)])
 def test_sharded_ranks_match_one_rank_and_transformers(kind, size, tmp_path):
     folder = write_tiny_checkpoint(tmp_path / kind, kind, seed=3)

@@ -99,7 +99,7 @@ def test_sampler_through_the_triton_ops_matches_the_cpu_sampler(monkeypatch):
     assert keep[3, got[3]] and keep[5, got[5]]
 
 
-@pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["qwen3-moe", "gpt-oss", "deepseek-v3"])
 def test_a_mixture_of_experts_gives_the_same_tokens_through_the_triton_experts(kind, tmp_path, monkeypatch):
     """Qwen3-MoE through the Triton op set (the experts stacked once, two grouped matmuls a
     layer) against the same engine through the references (a loop over experts); gpt-oss's

@@ -1,16 +1,19 @@
 """Prefill and decode workers of different tensor-parallel degrees, as real processes over
 gRPC and NIXL, for each new family's tiny random checkpoint (Qwen3; the mixtures of experts
-Qwen3-MoE, Mixtral, and gpt-oss with its sinks and a window shorter than the prompts; 4
-query and 2 KV heads, 8 experts split across the ranks, float64: the KV is the attention's
-whatever the experts' split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at
-one rank, and the KV came from the prefill worker (the decode worker's first message names
-it and the blocks that came over), with every block free on both sides afterwards. Equal
-degrees move whole blocks rank to rank; different ones move each rank's heads
-(transfer/ranks.py). Through a real gateway, the official openai client gets transformers'
-tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and for the two mixture-of-experts
-families whose attention differs (Qwen3-MoE's q/k norms, gpt-oss's sinks and windows), a
-stream moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay on a
-TP 2 worker after a TP 1 one is killed with kill -9) still gives them."""
+Qwen3-MoE, Mixtral, gpt-oss with its sinks and a window shorter than the prompts, and
+DeepSeek-V3 whose pool holds latents; 4 query and 2 KV heads, or one latent replicated on
+every rank; 8 experts split across the ranks; float64: the KV is the attention's whatever
+the experts' split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy
+tokens at one rank, and the KV came from the prefill worker (the decode worker's first
+message names it and the blocks that came over), with every block free on both sides
+afterwards. Equal degrees move whole blocks rank to rank; different ones move each rank's
+heads (transfer/ranks.py). The bytes pushed are the blocks in the model's KV spec once per
+receiving rank (a latent block whole on each, from one sending rank). Through a real
+gateway, the official openai client gets transformers' tokens at prefill TP 2 -> decode TP 1
+and TP 1 -> TP 2, and for the mixture-of-experts families whose attention differs
+(Qwen3-MoE's q/k norms, gpt-oss's sinks and windows, DeepSeek's latent attention), a stream
+moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay on a TP 2
+worker after a TP 1 one is killed with kill -9) still gives them."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from bench.harness.worker_procs import start_workers
 from common.sampling_params import SamplingParams
 from common.tokenizer import Tokenizer
 from deploy.drain import DrainEnd, drain, holdings_of
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from rpc import pdserve_pb2 as pb
 from tests.worker.grpc_calls import RPC_TIMEOUT_S, assert_idle, generate_request, random_prompt
@@ -43,7 +46,7 @@ STEP_FLOOR = {"PDSERVE_FAULT_STEP_FLOOR_S": "0.05"}
 MOVED_TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "mixtral", "gpt-oss"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3"])
 def model(request, tmp_path_factory, smollm2_dir):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=7)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's; the prompts are ids < VOCAB
@@ -91,6 +94,7 @@ def test_kv_pushed_between_degrees_gives_one_ranks_tokens(workers, model, prefil
     p, d = workers["prefill", prefill_tp], workers["decode", decode_tp]
     prompt = random_prompt(random.Random(prefill_tp * 10 + decode_tp), 45)  # three blocks, prefilled in chunks
     tokens, served = [], []
+    pushed = _pushed_bytes(p)
     request = generate_request(prompt, 10, prefill=[p.address], ignore_eos=True)
     for msg in d.stub.Generate(request, timeout=RPC_TIMEOUT_S):
         tokens.extend(msg.token_ids)
@@ -100,7 +104,19 @@ def test_kv_pushed_between_degrees_gives_one_ranks_tokens(workers, model, prefil
     assert tokens == _offline(model, prompt, 10)
     assert [(s.prefill_worker, s.local_prefill) for s in served] == [(p.address, pb.LOCAL_PREFILL_NONE)]
     assert served[0].kv_blocks == -(-len(prompt) // BLOCK)  # every block of the prompt came over
+    # The bytes that crossed are the blocks in the model's KV spec, once per receiving rank: its
+    # heads' share of a block (a latent model's one entry, replicated: the whole block on each)
+    cfg = ModelConfig.from_pretrained(model)
+    heads = max(1, cfg.num_kv_heads // decode_tp)
+    spec_bytes = cfg.num_layers * 2 * BLOCK * heads * cfg.head_dim * 8  # one rank's share of a block, float64
+    assert _pushed_bytes(p) - pushed == served[0].kv_blocks * decode_tp * spec_bytes
     assert_idle(p, d)
+
+
+def _pushed_bytes(prefill) -> float:
+    text = prefill.stub.Metrics(pb.MetricsRequest(), timeout=10).exposition.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_kv_transfer_bytes_total{") and 'peer_role="decode"' in line)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -125,7 +141,7 @@ def test_the_openai_client_gets_transformers_tokens_between_degrees(workers, mod
             assert_idle(p, d)
 
 
-@pytest.mark.parametrize("model", ["qwen3-moe", "gpt-oss"], indirect=True)
+@pytest.mark.parametrize("model", ["qwen3-moe", "gpt-oss", "deepseek-v3"], indirect=True)
 def test_a_stream_moved_between_degrees_live_or_replayed_gives_transformers_tokens(workers, model, hf_text,
                                                                                    tmp_path):
     d1, d2, p1, p2 = (workers["decode", 1], workers["decode", 2], workers["prefill", 1], workers["prefill", 2])
@@ -178,3 +194,42 @@ def _stream_through(url: str, prompt: list[int], move) -> str:
             if chunks == 4:
                 move()
     return "".join(text)
+
+
+@pytest.mark.parametrize("model", ["deepseek-v3"], indirect=True)
+def test_a_latent_prefix_fetched_from_a_decode_sibling_of_another_degree_gives_its_tokens(workers, model):
+    """A conversation's next turn (tests/worker/test_prefill_prefix_fetch.py's, on latent blocks):
+    the TP 1 decode worker holds the first turn's prompt and answer, the TP 2 prefill worker only
+    the prompt; the second turn's remote prefill fetches the answer's latent blocks from the
+    decode worker over NIXL instead of computing them, and gives the tokens the decode worker
+    gives computing the turn itself."""
+    p, d = workers["prefill", 2], workers["decode", 1]
+    rng = random.Random(31)
+    first = random_prompt(rng, 3 * BLOCK)
+    answer, served = _turn(d, first, [p.address], 40)
+    assert served.prefill_worker == p.address
+    turn2 = first + answer + random_prompt(rng, 20)
+    d_holds = (len(first) + len(answer) - 1) // BLOCK  # full blocks the decode worker cached
+    fetched = _metric(p, "pdserve_engine_prefix_tier_tokens_total", 'tier="sibling"')
+    tokens, served = _turn(d, turn2, [p.address], 8)
+    assert served.prefill_worker == p.address and served.cached_prompt_tokens >= d_holds * BLOCK
+    assert _metric(p, "pdserve_engine_prefix_tier_tokens_total", 'tier="sibling"') - fetched >= \
+        (d_holds - len(first) // BLOCK) * BLOCK  # the answer's blocks came from the decode worker
+    want, _ = _turn(d, turn2, [], 8)  # the decode worker computing the turn itself, from its own cache
+    assert tokens == want
+    assert_idle(p, d)
+
+
+def _turn(d, prompt: list[int], prefill: list[str], max_tokens: int) -> tuple[list[int], pb.Served]:
+    tokens, served = [], None
+    for msg in d.stub.Generate(generate_request(prompt, max_tokens, prefill, ignore_eos=True), timeout=RPC_TIMEOUT_S):
+        assert msg.error.code == pb.ERROR_NONE, msg.error
+        served = msg.served if msg.HasField("served") else served
+        tokens.extend(msg.token_ids)
+    return tokens, served
+
+
+def _metric(w, name: str, label: str) -> float:
+    text = w.stub.Metrics(pb.MetricsRequest(), timeout=10).exposition.decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and label in line)
