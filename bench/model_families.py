@@ -126,7 +126,7 @@ def moe_split(folder: Path, dtype: torch.dtype, tokens: int, repeats: int = 20) 
     model = CausalLM(cfg, dtype)
     load_weights(model, folder)
     model.prepare()
-    moe, ops = model.layers[0].moe, get_ops("cpu")
+    moe, ops = next(layer.moe for layer in model.layers if layer.moe is not None), get_ops("cpu")
     x = torch.randn(tokens, cfg.hidden_size, dtype=dtype) * 0.5
     parts: dict[str, list[float]] = {"router": [], "grouping": [], "experts": []}
     with torch.inference_mode():

@@ -61,7 +61,10 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.owned = cfg.experts_held
-        self.gate = linear(hidden, cfg.num_experts, bias=cfg.router_bias)  # the router (every rank's whole)
+        # the router (every rank's whole); DeepSeek's reads its weight in float32: a plain nn.Linear,
+        # which the model's prepare() does not pack (packing may drop the unpacked weight)
+        router = nn.Linear if cfg.deepseek_router else linear
+        self.gate = router(hidden, cfg.num_experts, bias=cfg.router_bias)
         self.experts = nn.ModuleDict({str(e): Expert(hidden, cfg.intermediate_size, linear, cfg.expert_bias,
                                                      cfg.clamped_swiglu) for e in self.owned})
         # DeepSeek: added to the sigmoid scores to choose the experts, not to weigh them
