@@ -285,8 +285,8 @@ def _table(rows: list[Row], bench: Bench) -> str:
 
 def compile_only(arch: int) -> int:
     """Compile every kernel variant the engine uses (bf16, fp16, fp32; Llama-8B heads, GQA 3
-    with head_dim 80; a Qwen3-MoE's experts) for sm_<arch> on a machine without a GPU: a stand-in driver answers
-    the target, and launches become compiles. The interpreter does not enforce the
+    with head_dim 80; a Qwen3-MoE's experts; DeepSeek-V3's MLA decode) for sm_<arch> on a
+    machine without a GPU: a stand-in driver answers the target, and launches become compiles. The interpreter does not enforce the
     compiler's rules (types across branches, dot shapes); this does, and ptxas reports
     spills. It patches Triton internals (3.5-3.9), so it is a tool, not a test."""
     import subprocess
@@ -347,6 +347,12 @@ def compile_only(arch: int) -> int:
         ids = torch.tensor([[0, 1], [1, 2], [0, 2], [3, 1]])
         fused_moe.fused_experts(torch.zeros(4, 2048, dtype=dt), torch.zeros(4, 2 * 768, 2048, dtype=dt),
                                 torch.zeros(4, 2048, 768, dtype=dt), torch.ones(4, 2, dtype=dt), ids)
+    from kernels import mla_decode
+
+    for dt in (torch.bfloat16, torch.float16, torch.float32):  # DeepSeek-V3's MLA: 128 heads, 512 + 64 entries
+        pool = torch.zeros(8, 2, 2, 16, 1, 288, dtype=dt)
+        mla_decode.mla_decode(torch.zeros(4, 128, 576, dtype=dt), pool[:, 1, 0], pool[:, 1, 1],
+                              torch.zeros(4, 32, **i64), torch.full((4,), 500, **i64), 0.1, 512)
     zeros = torch.zeros(4, **i64)
     tri.sample(torch.zeros(4, 128256), torch.ones(4), zeros, torch.ones(4), torch.zeros(4), zeros, zeros)
     ptxas = get_ptxas(arch).path

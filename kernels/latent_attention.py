@@ -18,6 +18,24 @@ from kernels.attention_step import AttentionMetadata
 from kernels.masked_attention import attend, visible
 
 
+def paged_latent_decode(
+    q: torch.Tensor,  # [num_seqs, num_heads, entry]: one query token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, 1, half]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    context_lens: torch.Tensor,  # [num_seqs]: read up to each (the query's own entry included)
+    scale: float,
+    latent: int,
+) -> torch.Tensor:  # [num_seqs, num_heads, latent]
+    """The decodes' attention: every sequence's entries gathered up to the widest table."""
+    entry, block_size = q.shape[-1], k_cache.shape[1]
+    n, width = q.shape[0], block_tables.shape[1] * block_size
+    keys = _entries(k_cache, v_cache, block_tables.flatten(), entry).view(n, width, 1, entry)
+    last = (context_lens - 1)[:, None, None]
+    valid = visible(torch.arange(width, device=q.device)[None, None, :], last, None)
+    return attend(q[:, None], keys, keys[..., :latent], valid, scale, None)[:, 0]
+
+
 def latent_attention_step(
     write_kv,  # the op set's write_kv
     q: torch.Tensor,  # [num_tokens, num_heads, entry]: [absorbed query | rotary query]
@@ -28,16 +46,12 @@ def latent_attention_step(
     meta: AttentionMetadata,
     scale: float,
     latent: int,  # kv_lora_rank: the entry's leading values, which are also the values
+    decode=paged_latent_decode,  # the decodes' attention (a kernel's, same signature)
 ) -> torch.Tensor:  # [num_tokens, num_heads, latent]
     write_kv(k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, k, v)
     entry, block_size = q.shape[-1], k_cache.shape[1]
-    parts = []
-    for g in meta.decodes:
-        n, width = g.end - g.start, g.block_tables.shape[1] * block_size
-        keys = _entries(k_cache, v_cache, g.block_tables.flatten(), entry).view(n, width, 1, entry)
-        last = (g.context_lens - 1)[:, None, None]
-        valid = visible(torch.arange(width, device=q.device)[None, None, :], last, None)
-        parts.append(attend(q[g.start:g.end, None], keys, keys[..., :latent], valid, scale, None)[:, 0])
+    parts = [decode(q[g.start:g.end], k_cache, v_cache, g.block_tables, g.context_lens, scale, latent)
+             for g in meta.decodes]
     for span in meta.prefills:
         s, e, ctx = span.start, span.start + span.num_new, span.context_len
         keys = _entries(k_cache, v_cache, span.block_table, entry)[:ctx][None, :, None]

@@ -15,6 +15,8 @@ from kernels.attention_step import AttentionMetadata, DecodeGroup, StepDecodes, 
 from kernels.kv_copy import pack_blocks, unpack_blocks, write_kv
 from kernels.norm_rope import add_rms_norm, rms_norm, rotary
 from kernels.fused_moe import fused_experts
+from kernels.latent_attention import latent_attention_step
+from kernels.mla_decode import mla_decode
 from kernels.op_set import ExpertSet, OpSet, StepSampling
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from kernels.reference import argmax, silu_mul  # torch's own on the GPU; silu_mul: one fused op pair
@@ -53,6 +55,13 @@ class TritonOps(OpSet):
         if experts.stacked is None:  # biased, clamped experts (gpt-oss): one expert at a time, torch ops
             return super().moe_experts(x, weights, ids, experts, counts)
         return fused_experts(x, *experts.stacked, weights, ids, first_expert=experts.held.start)
+
+    def latent_attention_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                              latent: int) -> torch.Tensor:
+        """Decodes through the MLA decode kernel (kernels/mla_decode.py); prefill chunks by
+        the torch path (compute-bound: a Triton MLA prefill kernel is not written)."""
+        return latent_attention_step(self.write_kv, q, k, v, k_cache, v_cache, meta, scale, latent, mla_decode)
 
     def plan_decodes(self, decodes: StepDecodes, device: torch.device | str) -> list[DecodeGroup]:
         return [decodes.group(0, len(decodes), device)] if len(decodes) else []

@@ -300,25 +300,29 @@ async def _read_stream(http: httpx.AsyncClient, url: str, max_tokens: int) -> tu
 
 
 def test_the_open_gateway_runs_more_than_64_streams_when_the_decode_pool_holds_them(roomy_pool):
-    """100 streams at once on a decode worker that runs 128: all run together (none refused
-    by a tenant limit of 64) and every one completes."""
+    """100 streams at once on a decode worker that runs 128: more than 64 run together (none
+    refused by a tenant limit of 64) and every one completes. How many were seen running at
+    once is polled, not timed: on a loaded host the first may end before the last arrives."""
     url, decode, _ = roomy_pool
-    streams, max_tokens = 100, 128
+    streams, max_tokens = 100, 256
 
-    async def burst() -> tuple[bool, list]:
+    async def burst() -> tuple[int, list]:
+        most = 0
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=2 * POOL)) as http:
             tasks = [asyncio.create_task(_read_stream(http, url, max_tokens)) for _ in range(streams)]
 
             def all_running_or_one_ended() -> bool:  # a refused or finished stream ends the wait at once
-                return decode.stats().running_requests == streams or any(t.done() for t in tasks)
+                nonlocal most
+                running = decode.stats().running_requests
+                most = max(most, running)
+                return running == streams or any(t.done() for t in tasks)
 
             await asyncio.to_thread(wait_until, all_running_or_one_ended, 120, f"{streams} streams on the worker")
-            all_running = not any(t.done() for t in tasks)
-            return all_running, await asyncio.gather(*tasks)
+            return most, await asyncio.gather(*tasks)
 
-    all_running, answers = asyncio.run(burst())
+    most, answers = asyncio.run(burst())
     assert answers == [(200, max_tokens, True)] * streams, [a for a in answers if a != (200, max_tokens, True)][:5]
-    assert all_running  # all of them on the worker at once, before any ended
+    assert most > 64, most  # more than a 64-sequence tenant limit would let run, on the worker at once
     metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert metric_value(metrics, "pdserve_rejections_total", reason="tenant_concurrency") == 0
     s = wait_idle(decode)
@@ -345,7 +349,8 @@ def test_past_what_the_decode_pool_holds_the_open_tenant_gets_a_429_naming_it(ro
                 # two waves, each no larger than the queue: the running sequences, then the queued ones
                 waves = ((MAX_NUM_SEQS, MAX_NUM_SEQS, 0), (MAX_WAITING, MAX_NUM_SEQS, MAX_WAITING))
                 for wave, running, waiting in waves:
-                    held += [asyncio.create_task(_read_stream(http, url, 500)) for _ in range(wave)]
+                    # long streams (cancelled below): none ends while the waves arrive, however slow the host
+                    held += [asyncio.create_task(_read_stream(http, url, LONG)) for _ in range(wave)]
                     await asyncio.to_thread(worker_holds, running, waiting)
                 return await http.post(f"{url}/v1/completions", json=ONE_MORE)
             finally:

@@ -1,18 +1,18 @@
 """Prefill and decode workers of different tensor-parallel degrees, as real processes over
-gRPC and NIXL, for each new family's tiny random checkpoint (Qwen3; the mixtures of experts
-Qwen3-MoE, Mixtral, gpt-oss with its sinks and a window shorter than the prompts, and
-DeepSeek-V3 whose pool holds latents; 4 query and 2 KV heads, or one latent replicated on
-every rank; 8 experts split across the ranks; float64: the KV is the attention's whatever
-the experts' split): 1 -> 1, 2 -> 1, 1 -> 2 and 2 -> 2 each give the offline engine's greedy
-tokens at one rank, and the KV came from the prefill worker (the decode worker's first
-message names it and the blocks that came over), with every block free on both sides
-afterwards. Equal degrees move whole blocks rank to rank; different ones move each rank's
-heads (transfer/ranks.py). The bytes pushed are the blocks in the model's KV spec once per
-receiving rank (a latent block whole on each, from one sending rank). Through a real
-gateway, the official openai client gets transformers' tokens at prefill TP 2 -> decode TP 1
-and TP 1 -> TP 2, and for the families whose KV or attention is new to the pool (gpt-oss's
-sinks and windows, DeepSeek's latents), a stream moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay on a TP 2
-worker after a TP 1 one is killed with kill -9) still gives them."""
+gRPC and NIXL, for the new families' tiny random checkpoints (Qwen3-MoE, gpt-oss with its
+sinks and a window shorter than the prompts, and DeepSeek-V3 whose pool holds latents; 4
+query and 2 KV heads, or one latent replicated on every rank; 8 experts split across the
+ranks; float64: the KV is the attention's whatever the experts' split): 1 -> 1, 2 -> 1,
+1 -> 2 and 2 -> 2 each give the offline engine's greedy tokens at one rank, and the KV came
+from the prefill worker (the decode worker's first message names it and the blocks that
+came over), with every block free on both sides afterwards. Equal degrees move whole blocks
+rank to rank; different ones move each rank's heads (transfer/ranks.py). The bytes pushed
+are the blocks in the model's KV spec once per receiving rank (a latent block whole on
+each, from one sending rank). Through a real gateway, the official openai client gets
+transformers' tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and for the families
+whose KV or attention is new to the pool (gpt-oss's sinks and windows, DeepSeek's latents),
+a stream moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay
+on a TP 2 worker after a TP 1 one is killed with kill -9) still gives them."""
 
 from __future__ import annotations
 
@@ -45,7 +45,10 @@ STEP_FLOOR = {"PDSERVE_FAULT_STEP_FLOOR_S": "0.05"}
 MOVED_TOKENS = 48
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-moe", "mixtral", "gpt-oss", "deepseek-v3"])
+# The families whose attention or KV is new to the pool: Qwen3's q/k norms (Qwen3-MoE's), gpt-oss's
+# sinks and windows, DeepSeek's latents. Qwen3 dense and Mixtral share these workers' paths (their
+# attention is Qwen3-MoE's and Llama's); their experts at TP 2 are tests/engine/test_tensor_parallel.py's.
+@pytest.fixture(scope="module", params=["qwen3-moe", "gpt-oss", "deepseek-v3"])
 def model(request, tmp_path_factory, smollm2_dir):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=7)
     for name in ("tokenizer.json", "tokenizer_config.json"):  # the gateway's; the prompts are ids < VOCAB
