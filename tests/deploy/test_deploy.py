@@ -297,7 +297,7 @@ def test_a_move_between_the_pools_changes_a_workers_role_in_place(embedded, stat
 
 
 def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smollm2_dir, tmp_path, monkeypatch):
-    """Every working step lasting at least 1.5 s (PDSERVE_FAULT_STEP_FLOOR_S: a slow host,
+    """Every working step lasting at least 1.2 s (PDSERVE_FAULT_STEP_FLOOR_S: a slow host,
     the same on any real one) and the prefill worker saturated with long prompts, under a
     strict controller: deep health answers within a 1 s deadline, one miss in a row
     replaces. Steps then take longer than that deadline (a probe queued behind one would
@@ -316,7 +316,7 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
     url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
     prompt = "Tell me about the sea and its ships. " * 60  # ~540 tokens: two prefill steps each
     with serving(log, "--config", str(config), "--port", str(port), "--num-cpus", "4",
-                 env={"PDSERVE_FAULT_STEP_FLOOR_S": "1.5"}) as (_, address):
+                 env={"PDSERVE_FAULT_STEP_FLOOR_S": "1.2"}) as (_, address):
         (prefill,) = deployment_status(address)["pools"]["prefill"]
         monkeypatch.setenv(auth.ENV, token)
         stub = pb_grpc.WorkerStub(auth.channel(prefill["address"]))
