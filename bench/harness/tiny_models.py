@@ -33,13 +33,18 @@ KINDS = {
                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                                       "original_max_position_embeddings": 128})),
-    # latent attention (q LoRA, rotary pairs), 8 routed experts in 4 groups (top 2 of them), a
-    # shared expert, layer 0 dense; 4 heads whose values (24) are wider than their keys' parts
+    # latent attention (q LoRA, rotary pairs, DeepSeek's YaRN with its softmax correction), 8 routed
+    # experts in 4 groups (top 2 of them), a shared expert, layer 0 dense; 4 heads whose values
+    # (24) are wider than their keys' parts
     "deepseek-v3": ("DeepseekV3Config", dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
                                              kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
                                              v_head_dim=24, moe_intermediate_size=32, n_routed_experts=8,
                                              num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
-                                             first_k_dense_replace=1, routed_scaling_factor=2.5)),
+                                             first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                              "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                                              "original_max_position_embeddings": 128,
+                                                              "rope_theta": 10000.0})),
     # DeepSeek-V2 with V2-Lite's attention (no q LoRA): softmax scores, the top-k among the best 2
     # of 4 groups (a group's score its best expert's), two shared experts
     "deepseek-v2": ("DeepseekV2Config", dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
