@@ -8,7 +8,6 @@ construction so a bad value fails at start-up with a message that names it.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.models import find_family
-from engine.models.family import UnsupportedModelError
+from engine.models.family import UnsupportedModelError, yarn_mscale
 from kernels.dtype_choice import auto_dtype
 from kernels.host import log_choice
 
@@ -292,13 +291,9 @@ def _yarn_attention_factor(cfg: dict[str, Any], params: dict[str, Any]) -> float
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
     factor = params.get("factor") or cfg["max_position_embeddings"] / params["original_max_position_embeddings"]
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     if params.get("mscale") and params.get("mscale_all_dim"):
-        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
-    return mscale(factor)
+        return yarn_mscale(factor, params["mscale"]) / yarn_mscale(factor, params["mscale_all_dim"])
+    return yarn_mscale(factor)
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,10 @@ experts; the first `first_k_dense_replace` layers dense. The multi-token-predict
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
-from engine.models.family import Family, attention_biases
-
-
-def _mscale(scale: float, m: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+from engine.models.family import Family, attention_biases, yarn_mscale
 
 
 def _fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -22,7 +17,7 @@ def _fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     qk_head_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
     scale = qk_head_dim ** -0.5
     if rope.get("rope_type", rope.get("type", "default")) != "default" and rope.get("mscale_all_dim"):
-        scale *= _mscale(rope["factor"], rope["mscale_all_dim"]) ** 2  # DeepSeek's YaRN softmax correction
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2  # DeepSeek's YaRN softmax correction
     mla = dict(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
                qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                v_head_dim=cfg["v_head_dim"], softmax_scale=scale,

@@ -12,6 +12,7 @@ here imports the engine, so engine/config.py can read the registry.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -61,3 +62,9 @@ def uniform_window(cfg: dict[str, Any], on_by_default: bool) -> int | None:
             f"a sliding window on some layers only (layer_types {sorted(layer_types)}) is not supported: "
             "every layer attends to the whole sequence, or every layer to the window")
     return int(cfg["sliding_window"])
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context `scale` times the original: 0.1 m ln(scale) + 1
+    (1 at scale <= 1), as transformers computes it."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0

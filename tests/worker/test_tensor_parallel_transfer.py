@@ -116,9 +116,7 @@ def test_kv_pushed_between_degrees_gives_one_ranks_tokens(workers, model, prefil
 
 
 def _pushed_bytes(prefill) -> float:
-    text = prefill.stub.Metrics(pb.MetricsRequest(), timeout=10).exposition.decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve_kv_transfer_bytes_total{") and 'peer_role="decode"' in line)
+    return _metric(prefill, "pdserve_kv_transfer_bytes_total", 'peer_role="decode"')
 
 
 def _prompt(seed: int) -> list[int]:
