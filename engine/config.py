@@ -168,6 +168,8 @@ class ModelConfig:
     # V planes are the two halves of a token's entry (num_kv_heads 1, head_dim entry_size / 2,
     # rounded up): every path that moves blocks moves the latent unchanged, no byte wasted
     mla: MlaConfig | None = None
+    # DeepSeek-V3: multi-token-prediction layers past the decoder's (engine/mtp.py), loaded only when asked
+    mtp_layers: int = 0
     name: str = ""
 
     @property
@@ -363,3 +365,6 @@ class EngineConfig:
     # register them (a P/D worker's); off, each rank's pool is its own, on huge pages where
     # the host allows, which shared memory gets only where shmem huge pages are enabled.
     share_rank_pools: bool = False
+    # build and load the checkpoint's multi-token-prediction layers (engine/mtp.py; a
+    # speculative decoder's); off, they are skipped at load and take no memory
+    load_mtp: bool = False

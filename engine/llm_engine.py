@@ -115,10 +115,13 @@ class LLMEngine:
         layout = kv_cfg = self.ranks = None
         self.disk_tier: DiskTier | None = None
         if config.tensor_parallel_size > 1:
-            if config.cache.disk_dir is not None:
+            # a latent model's group on CPU with shared pools keeps one pool (rank_group.py): the tier's
+            one_pool = config.model.mla is not None and config.share_rank_pools and not self._on_cuda
+            if config.cache.disk_dir is not None and not one_pool:
                 raise ValueError(f"a disk tier ({config.cache.disk_dir}) is not supported with tensor parallelism "
                                  f"(tensor_parallel_size={config.tensor_parallel_size}): each rank's pool holds "
-                                 "its own KV heads; serve it without the disk tier")
+                                 "its own KV heads (a latent model's ranks sharing one pool on CPU excepted); "
+                                 "serve it without the disk tier")
             if model is not None:
                 raise ValueError("a tensor-parallel engine loads its own weights: it cannot run another's")
             layout = TensorParallelLayout.of(config.model, config.tensor_parallel_size, 0)  # refuses a wrong degree
@@ -128,17 +131,17 @@ class LLMEngine:
             self.ranks = RankGroup(config, num_blocks + 1, limits)
             try:
                 model, weights = load_sharded_model(config.model_path, config.model, layout, config.dtype,
-                                                    config.device), "loaded"
+                                                    config.device, mtp=config.load_mtp), "loaded"
             except BaseException:
                 self.ranks.close()
                 raise
         elif model is None:
-            model, weights = CausalLM(config.model, config.dtype, config.device), "loaded"
+            model, weights = CausalLM(config.model, config.dtype, config.device, config.load_mtp), "loaded"
             load_weights(model, config.model_path)
             model.prepare()
         # One physical block more than the manager hands out: the deep-health probe's scratch.
         self.kv_cache = KVCache(kv_cfg or config.model, num_blocks + 1, config.cache.block_size, config.dtype,
-                                config.device)
+                                config.device, self.ranks.group_pool if self.ranks is not None else None)
         self.kv_manager = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         if config.cache.disk_dir is not None:
             key = compatibility_key(config.model, checkpoint_fingerprint(config.model_path), config.dtype,
@@ -158,6 +161,9 @@ class LLMEngine:
         log.info("engine ready in %.1fs: %s %s (weights %s), %d KV blocks of %d tokens (%.0f MiB)",
                  time.perf_counter() - t0, config.model.name, config.dtype, weights, num_blocks,
                  config.cache.block_size, self.kv_cache.total_bytes / 2**20)
+        if config.model.mtp_layers:
+            log.info("%d multi-token-prediction layer(s) %s", config.model.mtp_layers,
+                     "loaded" if config.load_mtp else "in the checkpoint, not loaded (load_mtp loads them)")
 
     @classmethod
     def from_folder(
@@ -292,7 +298,7 @@ class LLMEngine:
         head, without tensor parallelism): what a transfer agent registers. A follower's
         pool is memory shared with this process; on CUDA they are not reachable from here
         (RuntimeError)."""
-        if self.ranks is None:
+        if self.ranks is None or self.ranks.group_pool is not None:  # one pool: a latent model's group shares it
             return [(self.kv_cache.pool, range(self.config.model.num_kv_heads))]
         if len(self.ranks.pools) != len(self.ranks.layouts) - 1:
             raise RuntimeError("the other ranks' KV pools are not mapped in this process (built without "

@@ -19,6 +19,7 @@ import kernels.reference
 from engine.config import ModelConfig
 from engine.mla import LatentAttention
 from engine.moe import SparseMoe
+from engine.mtp import MtpLayer
 from engine.rotary import RotaryEmbedding
 from kernels.attention_step import AttentionMetadata
 from kernels.op_set import OpSet
@@ -66,8 +67,11 @@ class DecoderLayer(nn.Module):
         o_inputs = cfg.num_heads * cfg.mla.v_head_dim if cfg.mla is not None else cfg.q_size
         self.o_proj = Linear(o_inputs, h, bias=cfg.o_bias)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        # the MLP: dense, or a mixture of experts on the layers the config names (engine/moe.py)
-        self.moe = SparseMoe(h, cfg.moe, Linear) if cfg.moe and index in cfg.moe.sparse_layers else None
+        # the MLP: dense, or a mixture of experts on the layers the config names (engine/moe.py);
+        # a multi-token-prediction layer (past the decoder's: engine/mtp.py) as the last layer
+        sparse = cfg.moe is not None and (index in cfg.moe.sparse_layers or
+                                          (index >= cfg.num_layers and cfg.num_layers - 1 in cfg.moe.sparse_layers))
+        self.moe = SparseMoe(h, cfg.moe, Linear) if sparse else None
         if self.moe is None:
             self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
             self.down_proj = Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
@@ -127,13 +131,17 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Embedding -> decoder layers -> norm; `compute_logits` applies the LM head to chosen rows."""
+    """Embedding -> decoder layers -> norm; `compute_logits` applies the LM head to chosen rows.
+    `mtp`: also build the checkpoint's multi-token-prediction layers (engine/mtp.py), which
+    the forward pass does not run."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu", mtp: bool = False):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.mtp = nn.ModuleList(MtpLayer(cfg, DecoderLayer(cfg, cfg.num_layers + i), Linear, RMSNorm)
+                                 for i in range(cfg.mtp_layers if mtp else 0))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.requires_grad_(False)
@@ -163,6 +171,10 @@ class CausalLM(nn.Module):
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder's layers, then the multi-token-prediction layers' (where built)."""
+        return [*self.layers, *(m.layer for m in self.mtp)]
+
     def leaves_out(self, target: str) -> bool:
         """Whether a checkpoint tensor with no place here is one this model leaves to another
         rank (an expert it does not hold), rather than a mismatch."""
@@ -172,10 +184,10 @@ class CausalLM(nn.Module):
         """After the weights are loaded: pack matmul weights for the CPU kernels (a layer whose
         packed copies serve every row count then drops its unpacked weight)."""
         library = self.ops.matmul_library()
-        for layer in self.layers:  # first: a backend that stacks the experts' weights packs none of them
+        for layer in self.decoder_layers():  # first: a backend that stacks the experts' weights packs none of them
             if layer.moe is not None:
                 self.ops.prepare_experts(layer.moe)
-        for module in self.layers.modules():
+        for module in [*self.layers.modules(), *self.mtp.modules()]:
             if isinstance(module, Linear):
                 module.pack(library)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from engine.model import CausalLM
 from engine.models import family_of
 from engine.models.family import Family
+from engine.mtp import OWN_MODULES, SKIPPED
 from engine.stacked_experts import StackedExperts, is_stacked
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -54,7 +55,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
                 if family.stacked_experts and is_stacked(name):
                     stacked.add(name, f.get_tensor(name))
                     continue
-                target, shard = _map_name(name, family, model.cfg.num_layers)
+                target, shard = _map_name(name, family, model.cfg.num_layers, len(model.mtp))
                 if target is None or (target == "lm_head.weight" and model.lm_head is None):
                     continue  # tied embeddings: the head is the embedding
                 if target not in params:
@@ -75,7 +76,7 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
         _copy(params[target], tensor if select is None else select(target, None, tensor), target)
         loaded.add(target)
     for target, shards in fused.items():
-        cfg = model.layers[int(target.split(".")[1])].cfg  # the layer's own sizes (one rank's, when sharded)
+        cfg = _layer_of(model, target).cfg  # the layer's own sizes (one rank's, when sharded)
         # gate|up: two halves of the model's own rows (a dense MLP's or an expert's intermediate size)
         rows = [cfg.q_size, cfg.kv_size, cfg.kv_size] if "qkv_proj" in target else [params[target].shape[0] // 2] * 2
         if len(shards) != len(rows):
@@ -87,20 +88,38 @@ def load_weights(model: CausalLM, folder: str | Path, select: Select | None = No
         _copy(params[target], torch.cat([shards[i] for i in range(len(rows))], dim=0), target)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
+    if missing and all(m.startswith("mtp.") for m in missing):
+        raise CheckpointError(f"checkpoint in {folder} lacks {len(missing)} tensors of its {len(model.mtp)} "
+                              f"multi-token-prediction layers (config.json's num_nextn_predict_layers), e.g. "
+                              f"{missing[:3]}: load it without them")
     if missing:
         raise CheckpointError(f"checkpoint in {folder} lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-def _map_name(name: str, family: Family, num_layers: int) -> tuple[str | None, int | None]:
-    """Our parameter name (and fused shard) for a checkpoint tensor; None to skip it."""
+def _layer_of(model: CausalLM, target: str) -> torch.nn.Module:
+    """The decoder layer a parameter is in: layers.L.* or, in a multi-token-prediction layer, mtp.D.layer.*."""
+    kind, index = target.split(".")[:2]
+    return model.layers[int(index)] if kind == "layers" else model.mtp[int(index)].layer
+
+
+def _map_name(name: str, family: Family, num_layers: int, mtp_layers: int = 0) -> tuple[str | None, int | None]:
+    """Our parameter name (and fused shard) for a checkpoint tensor; None to skip it. Layers
+    past `num_layers` (a family with `extra_layers`: DeepSeek's multi-token prediction) go to
+    the first `mtp_layers` MTP layers (engine/mtp.py); beyond those, skipped."""
     if name.endswith("rotary_emb.inv_freq"):
         return None, None
     m = _LAYER.fullmatch(name)
     if m is None:
         return name.removeprefix("model."), None
     layer, rest = m.groups()
-    if family.extra_layers and int(layer) >= num_layers:  # DeepSeek's multi-token prediction layer
-        return None, None
+    if family.extra_layers and int(layer) >= num_layers:
+        depth = int(layer) - num_layers
+        if depth >= mtp_layers or rest in SKIPPED:
+            return None, None
+        if rest.rpartition(".")[0] in OWN_MODULES:
+            return f"mtp.{depth}.{rest}", None
+        target, shard = _map_name(f"model.layers.0.{rest}", family, num_layers)  # as a decoder layer's
+        return (None, None) if target is None else (f"mtp.{depth}.layer.{target.removeprefix('layers.0.')}", shard)
     if rest in family.layer_names:  # a tensor the family names itself (gpt-oss's sinks)
         return f"layers.{layer}.{family.layer_names[rest]}", None
     module, _, kind = rest.rpartition(".")

@@ -8,6 +8,9 @@ heads / N) or, with fewer KV heads than ranks, one head replicated on N / heads 
 transfer agent (rank 0's) registers all N (on CPU the followers' pools are memory shared
 with rank 0: engine/parallel/rank_group.py), so one NIXL write with one notification moves
 a block between any two workers, whatever their degrees, without the other ranks taking part.
+A latent model's ranks all hold the same KV (one replicated "head"): on CPU its group keeps
+a single pool every rank maps, published as one rank's, so a block crosses once per group;
+with a pool per rank, once per receiving rank, from our first.
 
     pieces = write_pieces(ours, theirs)            # which of our heads go to which of their ranks
     local, remote = block_descriptors(pieces, ours, theirs, local_blocks, remote_blocks)

@@ -80,14 +80,17 @@ def worker_arguments(role: str) -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace) -> tuple[LLMEngine, str]:
     require_token_off_loopback(args.host)  # before the slow part: a refused bind fails at once
-    if args.kv_disk_dir is not None and args.tensor_parallel_size > 1:
-        raise SystemExit(f"--kv-disk-dir with --tensor-parallel-size {args.tensor_parallel_size}: the disk tier "
-                         "is not supported with tensor parallelism (each rank's pool holds its own KV heads); "
-                         "drop one of the two")
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
+    model_cfg = ModelConfig.from_pretrained(path)
+    # a latent model's ranks on CPU share one pool when it transfers (engine/parallel/rank_group.py)
+    one_pool = model_cfg.mla is not None and not args.no_transfer and args.device == "cpu"
+    if args.kv_disk_dir is not None and args.tensor_parallel_size > 1 and not one_pool:
+        raise SystemExit(f"--kv-disk-dir with --tensor-parallel-size {args.tensor_parallel_size}: the disk tier "
+                         "is not supported with tensor parallelism (each rank's pool holds its own KV heads; a "
+                         "latent model's ranks sharing one pool on CPU excepted); drop one of the two")
     eos = Tokenizer.from_pretrained(path).eos_token_ids if (path / "tokenizer.json").is_file() else frozenset()
-    cache, scheduler = engine_configs(args, ModelConfig.from_pretrained(path).max_model_len)
+    cache, scheduler = engine_configs(args, model_cfg.max_model_len)
     claim_disk_tier(args, cache)
     engine = LLMEngine.from_folder(path, args.dtype, cache, scheduler, eos, args.tensor_parallel_size,
                                    share_rank_pools=not args.no_transfer,  # its agent registers every rank's pool

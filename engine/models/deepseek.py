@@ -2,7 +2,8 @@
 a latent KV cache, and a mixture of experts with sigmoid scores and a correction bias for
 choosing (V2: softmax scores), group-limited top-k, a routed scaling factor and shared
 experts; the first `first_k_dense_replace` layers dense. The multi-token-prediction layers a checkpoint carries
-(layers past `num_hidden_layers`) are not part of the decoder: skipped at load."""
+(layers past `num_hidden_layers`, `num_nextn_predict_layers` of them) are not part of the
+decoder: loaded into engine/mtp.py's layers when asked, skipped otherwise."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def _fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                shared_intermediate_size=(cfg.get("moe_intermediate_size") or 0) * (cfg.get("n_shared_experts") or 0))
     entry = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     # the pool's one "KV head": K and V planes each half a token's latent entry
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0
     return {**attention_biases(cfg), "mla": mla, "moe": moe if sparse else None, "num_kv_heads": 1,
-            "head_dim": -(-entry // 2)}
+            "head_dim": -(-entry // 2), "mtp_layers": int(mtp)}
 
 
 _ATTENTION = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")

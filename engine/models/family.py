@@ -40,7 +40,7 @@ class Family:
     # inside a layer: checkpoint modules fused into one of ours -> (ours, shard), beyond q|k|v and gate|up
     fused_names: Mapping[str, tuple[str, int]] = field(default_factory=dict)
     stacked_experts: bool = False  # every expert of a layer in one tensor (engine/stacked_experts.py)
-    extra_layers: bool = False  # layers past num_hidden_layers (DeepSeek's multi-token prediction): skipped
+    extra_layers: bool = False  # layers past num_hidden_layers: DeepSeek's multi-token prediction (engine/mtp.py)
     quantization: tuple[str, ...] = ()  # quantization_config quant_methods it loads (dequantized)
 
 

@@ -57,8 +57,8 @@ def join_group(rendezvous: str, size: int, rank: int, device: str = "cpu") -> No
 
 def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: int, limits: StepLimits,
                   num_threads: int, plans: Connection, clocks: RankClocks, pool_path: str | None = None) -> None:
-    """`pool_path`: the file rank 0 made for this rank's KV pool (shared with it), or None
-    for a pool of its own."""
+    """`pool_path`: the file rank 0 made for this rank's KV pool (shared with it; a latent
+    model's: the group's one pool), or None for a pool of its own."""
     # Ctrl-C, or a signal to the whole process group, is rank 0's to answer: it stops this
     # rank itself (a rank dying on it would read as a lost rank in the middle of a drain)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -70,7 +70,8 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, num_blocks: 
     join_group(rendezvous, size, rank, config.device)
     try:
         layout = TensorParallelLayout.of(config.model, size, rank)
-        model = load_sharded_model(config.model_path, config.model, layout, config.dtype, device)
+        model = load_sharded_model(config.model_path, config.model, layout, config.dtype, device,
+                                   mtp=config.load_mtp)
         shape = pool_shape(model.local_cfg, num_blocks, config.cache.block_size)
         pool = kernels.memory.shared_zeros(pool_path, shape, config.dtype) if pool_path else None
         kv = KVCache(model.local_cfg, num_blocks, config.cache.block_size, config.dtype, device, pool)

@@ -90,11 +90,19 @@ class RankGroup:
         # process, so the group's transfer agent (rank 0's) can register every rank's pool:
         # KV moves between groups of any degrees without the followers taking part
         # (transfer/ranks.py).
+        # A latent model's ranks hold the same KV (the latent is replicated): with shared
+        # pools, the group keeps one, every rank's (rank 0's too), which each rank writes
+        # with the same bytes. A push then moves a block once per group, not once per rank.
         self.pools: list[torch.Tensor] = []  # ranks 1..'s pools, as mapped here (CPU only)
+        self.group_pool: torch.Tensor | None = None  # the one pool of a latent model's group
         self._shm = _shared_folder() if config.share_rank_pools and torch.device(config.device).type == "cpu" \
             else None
         paths = [None] * size
-        for rank in range(1, size if self._shm else 1):
+        if self._shm and config.model.mla is not None:
+            paths[1:] = [str(Path(self._shm) / "group.kv")] * (size - 1)
+            shape = pool_shape(self.layouts[0].local_config(config.model), num_blocks, config.cache.block_size)
+            self.group_pool = kernels.memory.shared_zeros(paths[1], shape, config.dtype)
+        for rank in range(1, size if self._shm and self.group_pool is None else 1):
             paths[rank] = str(Path(self._shm) / f"rank-{rank}.kv")
             shape = pool_shape(self.layouts[rank].local_config(config.model), num_blocks, config.cache.block_size)
             self.pools.append(kernels.memory.shared_zeros(paths[rank], shape, config.dtype))

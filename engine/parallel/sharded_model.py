@@ -62,9 +62,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ShardedCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype, device: str = "cpu",
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None, mtp: bool = False):
         self.local_cfg = layout.local_config(cfg)
-        super().__init__(self.local_cfg, dtype, device)
+        super().__init__(self.local_cfg, dtype, device, mtp)
         self.cfg = cfg
         self.layout = layout
         self.group = group
@@ -72,7 +72,7 @@ class ShardedCausalLM(CausalLM):
         embed = VocabParallelEmbedding(self.local_cfg.vocab_size, cfg.hidden_size)
         embed.start, embed.group, embed.timer = layout.vocab.start, group, self.collectives
         self.embed_tokens = embed.requires_grad_(False).to(dtype=dtype, device=device)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             layer.o_proj = _row_parallel(layer.o_proj, group, self.collectives)
             if layer.moe is not None:
                 layer.moe = _expert_parallel(layer.moe, group, self.collectives)
@@ -81,10 +81,13 @@ class ShardedCausalLM(CausalLM):
 
     def leaves_out(self, target: str) -> bool:
         """Another rank's expert (expert parallelism), or rank 0's shared experts."""
-        parts = target.split(".")  # layers.L.moe.experts.E.<projection>.weight
-        if len(parts) > 3 and parts[2:4] == ["moe", "shared"]:
+        _, moe, rest = target.partition(".moe.")  # layers.L.moe.experts.E.<projection>.weight (or mtp.D.layer.moe...)
+        if not moe:
+            return False
+        if rest.startswith("shared."):
             return self.layout.rank != 0
-        return len(parts) > 4 and parts[2:4] == ["moe", "experts"] and int(parts[4]) not in self.layout.experts
+        parts = rest.split(".")
+        return parts[0] == "experts" and len(parts) > 1 and int(parts[1]) not in self.layout.experts
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, vocab] float32, on every rank
         local = super().compute_logits(hidden)  # [rows, this rank's vocab rows]

@@ -32,7 +32,7 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
         if ".moe." in target:  # the router, and whole experts (another rank's are never read)
             return tensor
         if ".mla." in target:  # the latent's projection and norms whole: every rank's pool holds it
-            per_head = mla_rows.get(target.split(".")[3])
+            per_head = mla_rows.get(target.partition(".mla.")[2].split(".")[0])
             return tensor if per_head is None else tensor[heads.start * per_head:heads.stop * per_head]
         if target.endswith(".sinks"):  # one per query head
             return tensor[layout.q_heads.start:layout.q_heads.stop]
@@ -44,7 +44,7 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
             if kind == "bias":
                 return tensor if layout.rank == 0 else torch.zeros_like(tensor)
             return tensor[:, q if ".o_proj." in target else ffn]
-        if target in ("embed_tokens.weight", "lm_head.weight"):
+        if target in ("embed_tokens.weight", "lm_head.weight") or target.endswith(".shared_head.head.weight"):
             return tensor[vocab]
         return tensor
 
@@ -52,9 +52,10 @@ def rank_slicer(cfg: ModelConfig, layout: TensorParallelLayout) -> Select:
 
 
 def load_sharded_model(folder: str | Path, cfg: ModelConfig, layout: TensorParallelLayout, dtype: torch.dtype,
-                       device: str = "cpu", group=None) -> ShardedCausalLM:
-    """Rank `layout.rank`'s model with its slices of the checkpoint in `folder`, prepared."""
-    model = ShardedCausalLM(cfg, layout, dtype, device, group)
+                       device: str = "cpu", group=None, mtp: bool = False) -> ShardedCausalLM:
+    """Rank `layout.rank`'s model with its slices of the checkpoint in `folder`, prepared
+    (`mtp`: with its multi-token-prediction layers, engine/mtp.py)."""
+    model = ShardedCausalLM(cfg, layout, dtype, device, group, mtp)
     load_weights(model, folder, rank_slicer(cfg, layout))
     model.prepare()
     return model

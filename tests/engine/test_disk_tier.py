@@ -213,11 +213,12 @@ def model(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama-gqa", seed=7)
 
 
-def make_engine(model: Path, disk: Path | None = None, num_blocks: int = 12) -> LLMEngine:
+def make_engine(model: Path, disk: Path | None = None, num_blocks: int = 12, tp: int = 1) -> LLMEngine:
     cache = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, disk_dir=str(disk) if disk else None,
                         disk_bytes=1 << 26)
     return LLMEngine.from_folder(model, "float32", cache, SchedulerConfig(max_num_batched_tokens=64,
-                                                                          max_model_len=512))
+                                                                          max_model_len=512),
+                                 tensor_parallel_size=tp, share_rank_pools=tp > 1)
 
 
 def run(engine: LLMEngine, rid: str, prompt: list[int], salt: str = "") -> tuple[list[int], int]:
@@ -361,11 +362,16 @@ def test_a_block_written_without_the_secret_is_never_served(tmp_path):
 
 def test_a_latent_models_blocks_come_back_from_disk_with_the_same_tokens(tmp_path):
     """A DeepSeek model's pool holds latents (one entry a token a layer, halved over the K and V
-    planes): its blocks go to disk and come back exactly like per-head K/V."""
+    planes): its blocks go to disk and come back exactly like per-head K/V; at tensor-parallel
+    degree 2 too, whose ranks share one pool (engine/parallel/rank_group.py): what the tier
+    reads back into it every rank attends over."""
     latent = write_tiny_checkpoint(tmp_path / "deepseek", "deepseek-v3", seed=7)
     want, _ = run(make_engine(latent, num_blocks=64), "ref", PROMPT)
     engine = make_engine(latent, tmp_path / "disk")
     assert run(engine, "p1", PROMPT) == (want, 0)
     evict(engine, PROMPT)
     assert run(engine, "p2", PROMPT) == (want, 64) and engine.disk_tier.stats().loaded >= 4
+    engine.close()
+    engine = make_engine(latent, tmp_path / "disk", tp=2)  # the tier's blocks, written at one rank, read at two
+    assert run(engine, "p3", PROMPT) == (want, 64) and engine.disk_tier.stats().loaded >= 4
     engine.close()

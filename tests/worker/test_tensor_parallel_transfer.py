@@ -7,8 +7,8 @@ ranks; float64: the KV is the attention's whatever the experts' split): 1 -> 1, 
 from the prefill worker (the decode worker's first message names it and the blocks that
 came over), with every block free on both sides afterwards. Equal degrees move whole blocks
 rank to rank; different ones move each rank's heads (transfer/ranks.py). The bytes pushed
-are the blocks in the model's KV spec once per receiving rank (a latent block whole on
-each, from one sending rank). Through a real gateway, the official openai client gets
+are the blocks in the model's KV spec once per receiving rank (a latent block once per
+group: a CPU group's ranks share one latent pool, engine/parallel/rank_group.py). Through a real gateway, the official openai client gets
 transformers' tokens at prefill TP 2 -> decode TP 1 and TP 1 -> TP 2, and for the families
 whose KV or attention is new to the pool (gpt-oss's sinks and windows, DeepSeek's latents),
 a stream moved mid-way (live migration from a drained TP 2 worker to a TP 1 one; a replay
@@ -107,11 +107,12 @@ def test_kv_pushed_between_degrees_gives_one_ranks_tokens(workers, model, prefil
     assert [(s.prefill_worker, s.local_prefill) for s in served] == [(p.address, pb.LOCAL_PREFILL_NONE)]
     assert served[0].kv_blocks == -(-len(prompt) // BLOCK)  # every block of the prompt came over
     # The bytes that crossed are the blocks in the model's KV spec, once per receiving rank: its
-    # heads' share of a block (a latent model's one entry, replicated: the whole block on each)
+    # heads' share of a block; a latent model's one entry once per group (its ranks share a pool)
     cfg = ModelConfig.from_pretrained(model)
     heads = max(1, cfg.num_kv_heads // decode_tp)
     spec_bytes = cfg.num_layers * 2 * BLOCK * heads * cfg.head_dim * 8  # one rank's share of a block, float64
-    assert _pushed_bytes(p) - pushed == served[0].kv_blocks * decode_tp * spec_bytes
+    copies = 1 if cfg.mla is not None else decode_tp
+    assert _pushed_bytes(p) - pushed == served[0].kv_blocks * copies * spec_bytes
     assert_idle(p, d)
 
 
