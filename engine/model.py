@@ -30,6 +30,9 @@ class Linear(nn.Linear):
 
     packed: kernels.linear.PackedWeight | None = None
 
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from the checkpoint (0.5 s of SmolLM2's start)."""
+
     def pack(self, library=None) -> None:
         if self.weight is None:  # packed already, its unpacked weight dropped
             return
@@ -138,7 +141,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: str = "cpu", mtp: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # the weight given (uninitialised), not drawn at random: the checkpoint's replaces it
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.mtp = nn.ModuleList(MtpLayer(cfg, DecoderLayer(cfg, cfg.num_layers + i), Linear, RMSNorm)
                                  for i in range(cfg.mtp_layers if mtp else 0))

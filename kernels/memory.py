@@ -7,7 +7,10 @@ TLB; 2 MiB pages cut those misses ~500x (bench/RESULTS.md: decode attention at b
 ~20% faster). `zeros` asks for huge pages with madvise(MADV_HUGEPAGE) before the memory is
 first touched, where /sys/kernel/mm/transparent_hugepage/enabled is `always` or
 `madvise`; elsewhere (`never`, not Linux, not CPU) it is plain `torch.zeros`. The choice
-is logged once per process.
+is logged once per process. The memory is a fresh private mapping, zero by the kernel's
+word, whose pages are faulted in where first used (huge where granted), not at
+allocation: touching a 1 GiB pool took 2.5 s of a worker's 4.6 s start on a KVM guest, for
+blocks most workers never fill; a block's first write pays its page's fault once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -57,16 +61,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> to
         log_choice("KV pool pages", "4 KiB", f"transparent huge pages are {mode} here")
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # not touched yet: no page is mapped
-    start = -raw.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary inside it
     size = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    if _madvise()(raw.data_ptr() + start, min(size, raw.numel() - start), _MADV_HUGEPAGE) != 0:
+    # private and anonymous: zero pages, none mapped until touched (the tensor keeps the mapping alive)
+    area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(area, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE  # the first 2 MiB boundary inside it
+    if _madvise()(raw.data_ptr() + start, size, _MADV_HUGEPAGE) != 0:
         log_choice("KV pool pages", "4 KiB", f"madvise(MADV_HUGEPAGE) failed (errno {ctypes.get_errno()})")
     else:
-        log_choice("KV pool pages", "2 MiB transparent huge pages", f"transparent huge pages are {mode} here")
-    tensor = raw[start:start + nbytes].view(dtype).view(shape)
-    tensor.zero_()  # the first touch, which maps the pages (huge where granted)
-    return tensor
+        log_choice("KV pool pages", "2 MiB transparent huge pages, faulted in at first use",
+                   f"transparent huge pages are {mode} here")
+    return raw[start:start + nbytes].view(dtype).view(shape)
 
 
 def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

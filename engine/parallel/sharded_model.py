@@ -69,7 +69,8 @@ class ShardedCausalLM(CausalLM):
         self.layout = layout
         self.group = group
         self.collectives = CollectiveTimer()  # seconds this rank spent in the group's collectives
-        embed = VocabParallelEmbedding(self.local_cfg.vocab_size, cfg.hidden_size)
+        embed = VocabParallelEmbedding(self.local_cfg.vocab_size, cfg.hidden_size,
+                                       _weight=torch.empty(self.local_cfg.vocab_size, cfg.hidden_size))
         embed.start, embed.group, embed.timer = layout.vocab.start, group, self.collectives
         self.embed_tokens = embed.requires_grad_(False).to(dtype=dtype, device=device)
         for layer in self.decoder_layers():

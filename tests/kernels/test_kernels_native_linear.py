@@ -93,7 +93,9 @@ def test_a_model_keeps_one_copy_of_its_weights(library):
     from engine.model import Linear
 
     for dtype in (torch.float32, torch.bfloat16):
-        layer = Linear(96, 176, bias=False).to(dtype)
+        layer = Linear(96, 176, bias=False).requires_grad_(False)
+        layer.weight.copy_(torch.randn(176, 96))  # the engine's Linear draws no weights: a checkpoint's come
+        layer = layer.to(dtype)
         w = layer.weight.detach().clone()
         layer.pack(library)
         x = torch.randn(600, 96).to(dtype)  # more rows than any kernel takes at once
