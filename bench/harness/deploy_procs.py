@@ -123,3 +123,22 @@ def ray_head(tmp: Path, *args: str):
         head.send_signal(signal.SIGTERM)
         head.wait(60)
         assert_all_gone(tree, 60)
+
+
+@contextmanager
+def ray_node(tmp: Path, gcs: str, *args: str):
+    """A second Ray node on this machine (`ray start --address --block`), joined to the head
+    at `gcs`; yields when it is running. Stopping it (SIGTERM) stops what it started."""
+    log = tmp / "ray-node.log"
+    node = subprocess.Popen([str(BIN / "ray"), "start", f"--address={gcs}", "--block",
+                             f"--dashboard-agent-listen-port={free_port()}", *args], env=ENV,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "Ray runtime started" in log.read_text() or node.poll() is not None, 90, "a Ray node", log)
+        assert node.poll() is None, log.read_text()[-3000:]
+        yield
+    finally:
+        tree = process_tree(node)
+        node.send_signal(signal.SIGTERM)
+        node.wait(60)
+        assert_all_gone(tree, 60)

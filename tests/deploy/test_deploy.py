@@ -1,4 +1,4 @@
-"""`pdserve serve` on a real Ray: embedded, as a `ray job submit` job, and across two Ray
+"""`pdserve serve` on a real Ray: embedded, and as a `ray job submit` job across two Ray
 nodes pinned by custom resources; healing a killed worker actor and scaling under load.
 
 Each test starts its own Ray (never `ray stop`, which would kill every Ray process on the
@@ -23,7 +23,8 @@ from openai import OpenAI
 
 from bench.chaos.status_feed import StatusFeed
 from bench.harness.gateway_procs import serving_process
-from bench.harness.deploy_procs import BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, serving, wait_for
+from bench.harness.deploy_procs import (BIN, CHAT, ENV, answers, deployment_status, pdserve, ray_head, ray_node, serving,
+                                        wait_for)
 from bench.harness.worker_procs import REPO, free_port
 
 
@@ -340,14 +341,23 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
         assert "replacing it" not in log.read_text(), log.read_text()[-3000:]
 
 
-def test_ray_job_submit_runs_the_system(smollm2_dir, tmp_path):
+def test_a_ray_job_places_the_pools_on_the_nodes_with_their_resources_and_kv_crosses(smollm2_dir, tmp_path):
+    """`ray job submit` of `pdserve serve` on a cluster of two Ray nodes on this machine, one
+    labelled `prefill` (the head), one `decode`: each pool lands on its node, a prompt's KV
+    crosses between them, and stopping the job stops the system."""
+    from ray.util.state import list_nodes
+
+    config = tmp_path / "two-nodes.yaml"
+    config.write_text("dtype: float32\n"
+                      "prefill: {replicas: 1, resources: {prefill: 1}, kv_blocks: 256}\n"
+                      "decode: {replicas: 1, resources: {decode: 1}, kv_blocks: 256}\n")
     port = free_port()
-    with ray_head(tmp_path, "--num-cpus=3") as (_, dashboard):
+    with ray_head(tmp_path, "--num-cpus=2", '--resources={"prefill": 1}') as (gcs, dashboard), \
+            ray_node(tmp_path, gcs, "--num-cpus=1", '--resources={"decode": 1}'):
         def submit():
             done = subprocess.run(
                 [str(BIN / "ray"), "job", "submit", f"--address={dashboard}", "--no-wait", "--working-dir", ".",
-                 "--", "python", "-m", "deploy", "serve", "--config", "deploy/configs/cpu-single-node.yaml",
-                 "--dtype", "float32", "--port", str(port)],
+                 "--", "python", "-m", "deploy", "serve", "--config", str(config), "--port", str(port)],
                 cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
             # the dashboard answers before the node's job agent has registered: Ray says to retry
             assert done.returncode == 0 or "try again later" in done.stderr, done.stdout + done.stderr
@@ -366,39 +376,15 @@ def test_ray_job_submit_runs_the_system(smollm2_dir, tmp_path):
         client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12, temperature=0)
         assert "Paris" in reply.choices[0].message.content
+        nodes = {n.node_id: n.resources_total for n in list_nodes(address=dashboard, detail=True)}
+        status = deployment_status(gcs)
+        (prefill,), (decode,) = status["pools"]["prefill"], status["pools"]["decode"]
+        assert "prefill" in nodes[prefill["node_id"]] and "decode" in nodes[decode["node_id"]], (nodes, status)
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        moved = [float(line.split()[-1]) for line in metrics.splitlines()
+                 if line.startswith("pdserve_worker_kv_blocks_transferred") and "decode" in line]
+        assert moved and moved[0] > 0, metrics  # the prompt's KV crossed from one node to the other
         stop = subprocess.run([str(BIN / "ray"), "job", "stop", f"--address={dashboard}", job], env=ENV,
                               capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stdout + stop.stderr
         wait_for(lambda: not answers(url), 60, "the gateway gone after the job stopped")
-
-
-def test_pools_land_on_the_nodes_with_their_resources_and_kv_crosses(smollm2_dir, tmp_path):
-    """Two Ray nodes on this machine, one labelled `prefill`, one `decode`."""
-    from ray.cluster_utils import Cluster
-
-    config = tmp_path / "two-nodes.yaml"
-    config.write_text("dtype: float32\n"
-                      "prefill: {replicas: 1, resources: {prefill: 1}}\n"
-                      "decode: {replicas: 1, resources: {decode: 1}}\n")
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"prefill": 1}})
-    try:
-        decode_node = cluster.add_node(num_cpus=1, resources={"decode": 1})
-        cluster.wait_for_nodes()
-        port = free_port()
-        with serving(tmp_path / "serve.log", "--config", str(config), "--address", cluster.address,
-                     "--port", str(port)):
-            status = deployment_status(cluster.address)
-            (prefill,), (decode,) = status["pools"]["prefill"], status["pools"]["decode"]
-            assert prefill["node_id"] == cluster.head_node.node_id
-            assert decode["node_id"] == decode_node.node_id
-            url = f"http://127.0.0.1:{port}"
-            client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-            long_prompt = [{"role": "user", "content": "Tell me about the sea and its ships. " * 8}]
-            reply = client.chat.completions.create(model="smollm2", messages=long_prompt, max_tokens=4)
-            assert reply.choices[0].message.content
-            metrics = httpx.get(f"{url}/metrics", timeout=10).text
-            moved = [float(line.split()[-1]) for line in metrics.splitlines()
-                     if line.startswith("pdserve_worker_kv_blocks_transferred") and "decode" in line]
-            assert moved and moved[0] > 0, metrics  # the prompt's KV crossed from one node to the other
-    finally:
-        cluster.shutdown()
