@@ -117,6 +117,11 @@ class GatewaySettings:
     max_output_tokens: int | None = None  # cap on max_tokens; None: the context limit
     max_prompt_tokens: int | None = None  # longer prompts get 413; None: the context limit
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    # 408 past them: a client's pause while sending its body (its whole body gets this plus
+    # max_body_bytes at 16 KiB/s), and a request head's arrival (gateway/front_door/); None:
+    # the gateway's defaults, 30 s and 10 s
+    body_timeout_s: float | None = None
+    header_timeout_s: float | None = None
     # A request's whole time, first token to last; None: derived per request from its
     # max_tokens and the decode workers' measured step time (gateway/request_path.py).
     request_timeout_s: float | None = None
@@ -154,7 +159,8 @@ class GatewaySettings:
                  "gateway.tenants (a JSON file of API keys), bind 127.0.0.1, or set "
                  "gateway.insecure_no_api_keys: true to accept the risk")
         _require(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
-        _at_least(self, 0, "max_ttft_s", "request_timeout_s", "response_store_ttl_s", strict=True)
+        _at_least(self, 0, "max_ttft_s", "request_timeout_s", "response_store_ttl_s", "body_timeout_s",
+                  "header_timeout_s", strict=True)
         _at_least(self, 1, "max_output_tokens", "max_prompt_tokens", "max_body_bytes", "processes")
         _at_least(self, 0, "response_store_bytes")
         try:
@@ -195,6 +201,10 @@ class GatewaySettings:
             args += ["--ssl-certfile", self.ssl_certfile]
         if self.ssl_keyfile is not None:
             args += ["--ssl-keyfile", self.ssl_keyfile]
+        if self.body_timeout_s is not None:
+            args += ["--body-timeout", str(self.body_timeout_s)]
+        if self.header_timeout_s is not None:
+            args += ["--header-timeout", str(self.header_timeout_s)]
         return args + ["--max-body-bytes", str(self.max_body_bytes)]
 
 

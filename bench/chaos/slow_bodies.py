@@ -19,7 +19,7 @@ from bench.chaos.sizes import CLIENT_TIMEOUT_S, MODEL
 # An address of the loopback network other than the one every other client uses (Linux
 # routes all of 127.0.0.0/8 to lo): the cap counts per address, so the rest stay served.
 SLOW_ADDRESS = "127.0.0.2"
-BYTE_EVERY_S = 2.0  # well under the gateway's pause bound (--body-timeout, 30 s): only the whole deadline ends it
+BYTE_EVERY_S = 2.0  # well under the gateway's pause bound (--body-timeout): only the whole deadline ends it
 
 
 @dataclass

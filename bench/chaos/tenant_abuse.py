@@ -40,7 +40,9 @@ ABUSER_LIMIT = 4  # the abusing tenant's max_concurrent
 WIDE = 16  # n of the log-probability request (the protocol's most), and its tenant's max_concurrent
 LOGPROB_TOKENS = MAX_LOGPROB_ENTRIES // (WIDE * 21) + 1  # with top_logprobs 20: just past the bound
 MAX_OUTPUT_TOKENS = 512  # the shared deployment's cap on max_tokens: room for LOGPROB_TOKENS
-MAX_BODY_BYTES = 64 * 1024  # a body's whole deadline is --body-timeout (30 s) + this at 16 KiB/s: 34 s
+MAX_BODY_BYTES = 64 * 1024  # a body's whole deadline is the body timeout + this at 16 KiB/s: 4 s more
+BODY_TIMEOUT_S = 8.0  # the shared deployment's (the default 30 would hold each slow body 34 s): > 2 s a byte
+HEADER_TIMEOUT_S = 5.0  # and its heads' (the default 10): abuse's heads sent byte by byte end at it
 PER_IP_CAP = 256  # the gateway's default --max-connections-per-ip: a quarter of --max-connections (1024)
 PAST_THE_CAP = 16  # slow bodies past it
 VICTIM_TOKENS = 32  # each victim stream's output
@@ -56,7 +58,8 @@ TENANTS = [
     {"name": "sharer", "share_prefix_cache": True, "max_concurrent": WIDE},
     {"name": "abuser", "share_prefix_cache": True, "max_concurrent": ABUSER_LIMIT},
 ]
-GATEWAY = {"max_output_tokens": MAX_OUTPUT_TOKENS, "max_body_bytes": MAX_BODY_BYTES}
+GATEWAY = {"max_output_tokens": MAX_OUTPUT_TOKENS, "max_body_bytes": MAX_BODY_BYTES,
+           "body_timeout_s": BODY_TIMEOUT_S, "header_timeout_s": HEADER_TIMEOUT_S}
 
 
 async def tenant_abuse(ctx: Chaos) -> Result:

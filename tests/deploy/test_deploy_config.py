@@ -195,11 +195,13 @@ def test_gateway_args_only_name_what_is_set():
                                         "--max-body-bytes", "1048576"]
     full = GatewaySettings(host="0.0.0.0", port=80, tenants="t.json", max_ttft_s=None, max_output_tokens=64,
                            max_prompt_tokens=4000, max_body_bytes=4096, request_timeout_s=900.0, processes=2,
-                           decode_streams="request", response_store_bytes=1 << 30, response_store_ttl_s=600.0)
+                           decode_streams="request", response_store_bytes=1 << 30, response_store_ttl_s=600.0,
+                           body_timeout_s=8.0, header_timeout_s=5.0)
     assert full.args() == ["--host", "0.0.0.0", "--port", "80", "--tenants", "t.json", "--max-ttft", "inf",
                            "--max-output-tokens", "64", "--max-prompt-tokens", "4000", "--request-timeout", "900.0",
                            "--processes", "2", "--decode-streams", "request", "--response-store-bytes", "1073741824",
-                           "--response-store-ttl", "600.0", "--max-body-bytes", "4096"]
+                           "--response-store-ttl", "600.0", "--body-timeout", "8.0", "--header-timeout", "5.0",
+                           "--max-body-bytes", "4096"]
     off = GatewaySettings(response_store_bytes=0).args()  # 0 is a setting (none stored), not "unset"
     assert off[off.index("--response-store-bytes") + 1] == "0" and "--response-store-ttl" not in off
 
