@@ -78,9 +78,9 @@ def checkpoint_fingerprint(folder: Path) -> str:
 def compatibility_key(model: ModelConfig, weights: str, dtype: torch.dtype, block_size: int) -> str:
     """The folder name of the blocks this engine may read: a hash of what makes KV blocks
     interchangeable (the architecture and its config, the weights' fingerprint, the KV
-    dtype, block size, layers, KV heads, head dim). The model's folder name and EOS ids do
-    not change the KV and are left out."""
-    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in ("name", "eos_token_ids")}
+    dtype, block size, layers, KV heads, head dim). The model's folder name, EOS ids and
+    multi-token-prediction layers do not change the KV and are left out."""
+    fields = {k: v for k, v in dataclasses.asdict(model).items() if k not in ("name", "eos_token_ids", "mtp_layers")}
     what = {"model": fields, "weights": weights, "dtype": str(dtype).removeprefix("torch."),
             "block_size": block_size, "layers": model.num_layers, "kv_heads": model.num_kv_heads,
             "head_dim": model.head_dim, "version": VERSION}

@@ -115,7 +115,8 @@ class LLMEngine:
         layout = kv_cfg = self.ranks = None
         self.disk_tier: DiskTier | None = None
         if config.tensor_parallel_size > 1:
-            # a latent model's group on CPU with shared pools keeps one pool (rank_group.py): the tier's
+            # a latent model's group on CPU with shared pools keeps one pool (rank_group.py): the tier reads
+            # and writes it for every rank
             one_pool = config.model.mla is not None and config.share_rank_pools and not self._on_cuda
             if config.cache.disk_dir is not None and not one_pool:
                 raise ValueError(f"a disk tier ({config.cache.disk_dir}) is not supported with tensor parallelism "
@@ -162,8 +163,8 @@ class LLMEngine:
                  time.perf_counter() - t0, config.model.name, config.dtype, weights, num_blocks,
                  config.cache.block_size, self.kv_cache.total_bytes / 2**20)
         if config.model.mtp_layers:
-            log.info("%d multi-token-prediction layer(s) %s", config.model.mtp_layers,
-                     "loaded" if config.load_mtp else "in the checkpoint, not loaded (load_mtp loads them)")
+            log.info("config.json names %d multi-token-prediction layer(s): %s", config.model.mtp_layers,
+                     "loaded" if config.load_mtp else "not loaded (load_mtp loads them)")
 
     @classmethod
     def from_folder(

@@ -10,7 +10,9 @@ first touched, where /sys/kernel/mm/transparent_hugepage/enabled is `always` or
 is logged once per process. The memory is a fresh private mapping, zero by the kernel's
 word, whose pages are faulted in where first used (huge where granted), not at
 allocation: touching a 1 GiB pool took 2.5 s of a worker's 4.6 s start on a KVM guest, for
-blocks most workers never fill; a block's first write pays its page's fault once.
+blocks most workers never fill; a block's first write pays its page's fault once. So that a
+pool the host cannot hold still fails at start, not at the first busy hour, a pool larger
+than the memory the kernel says is available (MemAvailable) is refused, naming both.
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ def _madvise():
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """torch.zeros(shape, dtype), on huge pages where the host allows (see the module docstring)."""
     mode = _thp_mode()
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    available = _available_bytes() if torch.device(device).type == "cpu" else None
+    if available is not None and nbytes > available:
+        raise MemoryError(f"a KV pool of {nbytes / 2**20:.0f} MiB does not fit the {available / 2**20:.0f} MiB of "
+                          "memory available on this host (MemAvailable): give it fewer blocks (--kv-memory-gib, "
+                          "--kv-blocks)")
     if torch.device(device).type != "cpu" or not sys.platform.startswith("linux") or mode not in ("always", "madvise"):
         log_choice("KV pool pages", "4 KiB", f"transparent huge pages are {mode} here")
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
     size = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     # private and anonymous: zero pages, none mapped until touched (the tensor keeps the mapping alive)
     area = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -72,6 +79,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> to
         log_choice("KV pool pages", "2 MiB transparent huge pages, faulted in at first use",
                    f"transparent huge pages are {mode} here")
     return raw[start:start + nbytes].view(dtype).view(shape)
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def shared_zeros(path: str | Path, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -38,7 +38,7 @@ def _fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
                shared_intermediate_size=(cfg.get("moe_intermediate_size") or 0) * (cfg.get("n_shared_experts") or 0))
     entry = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     # the pool's one "KV head": K and V planes each half a token's latent entry
-    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0
+    mtp = 0 if v2 else cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers")) or 0  # V3's only
     return {**attention_biases(cfg), "mla": mla, "moe": moe if sparse else None, "num_kv_heads": 1,
             "head_dim": -(-entry // 2), "mtp_layers": int(mtp)}
 

@@ -66,6 +66,16 @@ def test_the_kv_pool_is_zeroed_aligned_and_on_huge_pages_where_the_host_allows()
         assert pool.data_ptr() % memory.HUGE_PAGE == 0
 
 
+def test_a_kv_pool_larger_than_the_available_memory_is_refused_at_start(monkeypatch):
+    """Its pages fault in at first use, so the check is made when it is made (MemAvailable)."""
+    from kernels import memory
+
+    monkeypatch.setattr(memory, "_available_bytes", lambda: 3 << 20)
+    with pytest.raises(MemoryError, match=r"KV pool of 4 MiB does not fit the 3 MiB .*--kv-memory-gib"):
+        memory.zeros((4 << 20,), torch.uint8)
+    assert memory.zeros((2 << 20,), torch.uint8).numel() == 2 << 20
+
+
 def test_shared_memory_is_reserved_when_made_and_too_little_room_is_a_clear_error(tmp_path, monkeypatch):
     from kernels import memory
 
