@@ -344,7 +344,10 @@ def test_a_saturated_worker_whose_steps_outlast_the_health_deadline_is_kept(smol
 def test_a_ray_job_places_the_pools_on_the_nodes_with_their_resources_and_kv_crosses(smollm2_dir, tmp_path):
     """`ray job submit` of `pdserve serve` on a cluster of two Ray nodes on this machine, one
     labelled `prefill` (the head), one `decode`: each pool lands on its node, a prompt's KV
-    crosses between them, and stopping the job stops the system."""
+    crosses between them, and stopping the job stops the system. No `--working-dir`: two
+    nodes on one machine share Ray's temp dir, and the second node's runtime-env agent once
+    removed the job's unpacked copy while the job imported from it (the package is installed
+    here; on a real cluster `--working-dir .` ships it, docs/deploy.md)."""
     from ray.util.state import list_nodes
 
     config = tmp_path / "two-nodes.yaml"
@@ -356,7 +359,7 @@ def test_a_ray_job_places_the_pools_on_the_nodes_with_their_resources_and_kv_cro
             ray_node(tmp_path, gcs, "--num-cpus=1", '--resources={"decode": 1}'):
         def submit():
             done = subprocess.run(
-                [str(BIN / "ray"), "job", "submit", f"--address={dashboard}", "--no-wait", "--working-dir", ".",
+                [str(BIN / "ray"), "job", "submit", f"--address={dashboard}", "--no-wait",
                  "--", "python", "-m", "deploy", "serve", "--config", str(config), "--port", str(port)],
                 cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
             # the dashboard answers before the node's job agent has registered: Ray says to retry
